@@ -1,0 +1,20 @@
+"""Train and fine-tune LLMs with Megatron-Core parallelism from plain Lightning."""
+
+from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.objectives.pretrain import PretrainModule
+from lightning_mcore.strategy.megatron import MegatronStrategy
+from lightning_mcore.strategy.optimizer import OptimizerSettings
+from lightning_mcore.strategy.parallel import BatchConfig, LayoutError, ParallelConfig
+
+__all__ = [
+    "BatchConfig",
+    "GPTConfig",
+    "LayoutError",
+    "MegatronModule",
+    "MegatronStrategy",
+    "OptimizerSettings",
+    "ParallelConfig",
+    "PretrainModule",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,172 @@
+"""Turn text, jsonl or parquet files into token ids, and write mcore indexed .bin/.idx files.
+
+The in-memory path (``PretrainDataModule(paths=...)``) and this command share the loading and
+tokenizing below, so both see the same documents and the same ids::
+
+    python -m lightning_mcore.data.preprocess --input data/*.jsonl --tokenizer tok/ \\
+        --output-prefix data/corpus --append-eos
+
+A ``.txt`` file holds one document per blank-line-separated paragraph; ``.jsonl``/``.json``
+and ``.parquet`` hold one document per row in ``text_field``. Documents are stripped of
+surrounding whitespace and empty ones are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import os
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def resolve_files(paths: Union[str, Sequence[str]]) -> list[str]:
+    """Expand files and globs in order, failing on a path that matches nothing or an unknown type."""
+    files: list[str] = []
+    for path in [paths] if isinstance(paths, str) else list(paths):
+        matches = sorted(glob.glob(os.path.expanduser(path), recursive=True))
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise FileNotFoundError(f"no file matches {path!r}")
+        for match in matches:
+            if os.path.splitext(match)[1].lower() not in BUILDERS:
+                raise ValueError(
+                    f"unsupported file type {match!r}: use one of {', '.join(sorted(BUILDERS))}"
+                )
+            if match not in files:
+                files.append(match)
+    return files
+
+
+def load_tokenizer(path: str) -> Any:
+    """Load an HF tokenizer from a local directory, naming the directory if it is missing."""
+    if not os.path.isdir(os.path.expanduser(path)):
+        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.expanduser(path))
+
+
+def load_documents(files: Sequence[str], text_field: str = "text", cache_dir: Optional[str] = None):
+    """Load the files with ``datasets`` (cached) as one dataset with a single ``text`` column."""
+    import datasets
+
+    parts = []
+    for builder, group in _runs_of_same_builder(files):
+        if builder == "text":
+            part = datasets.load_dataset(
+                "text", data_files=group, sample_by="paragraph", split="train", cache_dir=cache_dir
+            )
+        else:
+            part = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
+            if text_field not in part.column_names:
+                raise KeyError(
+                    f"field {text_field!r} not found in {', '.join(group)}; "
+                    f"columns found: {part.column_names}"
+                )
+            part = part.select_columns([text_field])
+            if text_field != "text":
+                part = part.rename_column(text_field, "text")
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _runs_of_same_builder(files: Sequence[str]) -> Iterable[tuple[str, list[str]]]:
+    """Group consecutive files that load with the same ``datasets`` builder, keeping order."""
+    runs: list[tuple[str, list[str]]] = []
+    for file in files:
+        builder = BUILDERS[os.path.splitext(file)[1].lower()]
+        if runs and runs[-1][0] == builder:
+            runs[-1][1].append(file)
+        else:
+            runs.append((builder, [file]))
+    return runs
+
+
+def tokenize_documents(documents, tokenizer: Any, add_eos: bool = True, num_proc: Optional[int] = None):
+    """Tokenize with ``datasets.map`` into an ``input_ids`` column (int32), EOS after each document.
+
+    The cache fingerprint is computed from the data and the tokenizer's content rather than by
+    pickling the tokenizer, which is not stable across processes: ranks other than the one that
+    ran this first then load the cached result instead of tokenizing again.
+    """
+    import datasets
+
+    eos = tokenizer.eos_token_id if add_eos else None
+    if add_eos and eos is None:
+        raise ValueError("the tokenizer has no eos_token: set add_eos=False or add one")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    content = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    key = f"lightning_mcore-tokenize-v1|{documents._fingerprint}|{type(tokenizer).__name__}|{content}|{eos}"
+    return documents.map(
+        _tokenize_batch,
+        batched=True,
+        remove_columns=documents.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "eos_token_id": eos},
+        features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))}),
+        num_proc=num_proc,
+        new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:32],
+        desc="Tokenizing",
+    )
+
+
+def _tokenize_batch(batch: dict, tokenizer: Any, eos_token_id: Optional[int]) -> dict:
+    texts = [text.strip() for text in batch["text"] if text and text.strip()]
+    if not texts:
+        return {"input_ids": []}
+    ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)
+    extra = [] if eos_token_id is None else [eos_token_id]
+    return {"input_ids": [doc + extra for doc in ids["input_ids"]]}
+
+
+def token_chunks(tokenized) -> list[np.ndarray]:
+    """The ``input_ids`` column as flat numpy views of its Arrow chunks (no copy, memory-mapped)."""
+    if tokenized._indices is not None:
+        tokenized = tokenized.flatten_indices()
+    column = tokenized.data.column("input_ids")
+    return [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks]
+
+
+def write_indexed(tokenized, output_prefix: str, vocab_size: int) -> tuple[int, int]:
+    """Write one mcore indexed document per row; return (documents, tokens) written."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=DType.optimal_dtype(vocab_size))
+    documents = tokens = 0
+    for batch in tokenized.with_format("numpy").iter(batch_size=1024):
+        for doc in batch["input_ids"]:
+            builder.add_document(doc, [len(doc)])
+            documents, tokens = documents + 1, tokens + len(doc)
+    builder.finalize(output_prefix + ".idx")
+    return documents, tokens
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_mcore.data.preprocess",
+        description="Tokenize text/jsonl/parquet files into an mcore indexed dataset (PREFIX.bin/.idx).",
+    )
+    parser.add_argument("--input", nargs="+", required=True, help="files or globs")
+    parser.add_argument("--tokenizer", required=True, help="HF tokenizer directory")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--text-field", default="text", help="document column of jsonl/parquet")
+    parser.add_argument("--append-eos", action="store_true", help="end every document with EOS")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizing processes")
+    parser.add_argument("--cache-dir", default=None, help="datasets cache directory")
+    args = parser.parse_args(argv)
+
+    files = resolve_files(args.input)
+    tokenizer = load_tokenizer(args.tokenizer)
+    documents = load_documents(files, args.text_field, args.cache_dir)
+    tokenized = tokenize_documents(documents, tokenizer, args.append_eos, args.workers)
+    n_docs, n_tokens = write_indexed(tokenized, args.output_prefix, len(tokenizer))
+    print(f"wrote {n_docs} documents, {n_tokens} tokens to {args.output_prefix}.bin/.idx")
+
+
+if __name__ == "__main__":
+    main()

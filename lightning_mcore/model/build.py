@@ -1,0 +1,85 @@
+"""Build mcore GPTModel chunks for this rank: one per virtual pipeline stage.
+
+    pp=2, vpp=2, 8 layers:   rank 0 holds chunks [layers 0-1] and [layers 4-5]
+                             rank 1 holds chunks [layers 2-3] and [layers 6-7]
+    pre_process (embedding) only on the first chunk of stage 0, post_process (final norm,
+    output layer, loss) only on the last chunk of the last stage.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+from lightning_mcore.model.attention import SDPAttention
+from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.norm import RMSNorm
+from lightning_mcore.model.rope import apply_rope_scaling
+
+
+def layer_spec(cfg: GPTConfig, use_te: bool):
+    """TE spec on GPU; else mcore's local spec with SDPA attention and an SP-capable RMSNorm."""
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=cfg.num_moe_experts,
+            moe_grouped_gemm=cfg.moe_grouped_gemm,
+            qk_layernorm=cfg.qk_layernorm,
+        )
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(
+            num_experts=cfg.num_moe_experts,
+            moe_grouped_gemm=cfg.moe_grouped_gemm,
+            qk_layernorm=cfg.qk_layernorm,
+            normalization="RMSNorm",
+        )
+    )
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    attn = sub.self_attention.submodules
+    attn.core_attention = SDPAttention
+    if cfg.qk_layernorm:
+        attn.q_layernorm = RMSNorm
+        attn.k_layernorm = RMSNorm
+    return spec
+
+
+def build_chunks(cfg: GPTConfig, tf_config, use_te: bool) -> list[GPTModel]:
+    """The GPTModel chunks this rank owns, in virtual-stage order."""
+    spec = layer_spec(cfg, use_te)
+    vpp = tf_config.virtual_pipeline_model_parallel_size
+    tp = tf_config.tensor_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        if use_te:
+            block = spec
+        else:
+            n = get_num_layers_to_build(tf_config, vp_stage=stage)
+            block = TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
+        model = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=block,
+            vocab_size=cfg.padded_vocab_size(tp),
+            max_sequence_length=cfg.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(cfg.rotary_base),
+            vp_stage=stage,
+        )
+        apply_rope_scaling(model, cfg)
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,160 @@
+"""A Llama-style model description and its translation to mcore's TransformerConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import torch
+
+TransformerImpl = Literal["auto", "transformer_engine", "local"]
+
+
+@dataclass
+class GPTConfig:
+    """Decoder-only transformer: RMSNorm, SwiGLU, RoPE, GQA (Llama, Qwen, Mistral family).
+
+    `rope_scaling` takes the Hugging Face dict (e.g. {"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None: one per head (MHA)
+    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
+    vocab_size: int = 512
+    seq_length: int = 128
+    rotary_base: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    tie_word_embeddings: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    # Mixture of experts (None: dense MLP)
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_grouped_gemm: bool = False
+    moe_router_pre_softmax: bool = False
+    # Execution
+    transformer_impl: TransformerImpl = "auto"
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    recompute_num_layers: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    extra: dict[str, Any] = field(default_factory=dict)  # any other TransformerConfig field
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Vocab rounded up so every tensor-parallel rank holds an equal, aligned slice."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def uses_te(self, accelerator: str) -> bool:
+        if self.transformer_impl == "local":
+            return False
+        if self.transformer_impl == "transformer_engine":
+            return True
+        return accelerator == "gpu" and te_available()
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def to_transformer_config(
+    cfg: GPTConfig,
+    parallel,  # strategy.parallel.ParallelConfig
+    dtype: torch.dtype,
+    on_cpu: bool,
+    use_te: bool,
+    micro_batch_size: int,
+):
+    """Build mcore's TransformerConfig; execution flags follow the device (fusions need CUDA)."""
+    from megatron.core.transformer import TransformerConfig
+
+    p = parallel
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
+        init_method_std=cfg.init_method_std,
+        attention_dropout=cfg.attention_dropout,
+        hidden_dropout=cfg.hidden_dropout,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        autocast_dtype=dtype,
+        calculate_per_token_loss=True,
+        # Interleaved PP with batched p2p sends to one peer in both directions gives wrong
+        # results (Megatron-LM #750); unbatched, overlapped p2p is exact.
+        batch_p2p_comm=p.virtual_pipeline_model_parallel_size is None,
+        overlap_p2p_comm=p.virtual_pipeline_model_parallel_size is not None,
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=use_te,
+        bias_activation_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        persist_layer_norm=use_te,
+        bias_dropout_fusion=use_te,
+        cross_entropy_loss_fusion=use_te,
+        cross_entropy_fusion_impl="te" if use_te else "native",
+        recompute_granularity=cfg.recompute_granularity,
+    )
+    if cfg.recompute_granularity == "full":
+        kwargs.update(recompute_method="uniform", recompute_num_layers=cfg.recompute_num_layers or 1)
+    if cfg.num_moe_experts:
+        kwargs.update(
+            num_moe_experts=cfg.num_moe_experts,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+            moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+            moe_grouped_gemm=cfg.moe_grouped_gemm,
+            moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        )
+    kwargs.update(cfg.extra)
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(kwargs) - known)
+    for name in unknown:  # fields that an older/newer mcore does not have
+        if name in cfg.extra:
+            raise ValueError(f"GPTConfig.extra: TransformerConfig has no field {name!r}.")
+        kwargs.pop(name)
+    return TransformerConfig(**kwargs)

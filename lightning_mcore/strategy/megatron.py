@@ -1,0 +1,325 @@
+"""MegatronStrategy: Lightning drives, Megatron-Core parallelises.
+
+Per step:  Lightning -> module.training_step(batch) -> strategy.forward_backward(batch, fn)
+           -> mcore schedule over the microbatches (forward, backward, finalize_model_grads)
+           -> MegatronOptimizer.step (clip, update, LR schedule).
+The batch a rank receives is its data-parallel share of the global batch
+(global_batch_size / dp rows); the strategy cuts it into micro_batch_size pieces.
+
+A module used with this strategy exposes `chunks` (an nn.ModuleList of mcore models, one per
+virtual pipeline stage), built in `configure_model` with `strategy.build_gpt(config)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu, seed_model_parallel
+from lightning_mcore.strategy.optimizer import (
+    MegatronOptimizer,
+    OptimizerSettings,
+    build_lr_scheduler,
+    build_megatron_optimizer,
+)
+from lightning_mcore.strategy.parallel import BatchConfig, ParallelConfig, validate_layout
+
+_PRECISIONS = {
+    "32-true": torch.float32,
+    "32": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+}
+
+
+class MegatronStrategy(DDPStrategy):
+    strategy_name = "megatron"
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: Optional[int] = None,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: Optional[int] = None,
+        sequence_parallel: bool = False,
+        use_distributed_optimizer: bool = False,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        global_batch_size: int = 8,
+        micro_batch_size: int = 1,
+        seed: int = 1234,
+        timeout: Optional[timedelta] = timedelta(minutes=30),
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(timeout=timeout, start_method=start_method, **kwargs)
+        self.parallel = ParallelConfig(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            context_parallel_size=context_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            sequence_parallel=sequence_parallel,
+            use_distributed_optimizer=use_distributed_optimizer,
+            overlap_grad_reduce=overlap_grad_reduce,
+            overlap_param_gather=overlap_param_gather,
+        )
+        self.batch = BatchConfig(global_batch_size, micro_batch_size)
+        self.seed = seed
+        self._cpu = CpuCompat()
+        self._tf_config = None
+
+    # ---------------------------------------------------------------- environment
+    @property
+    def on_cpu(self) -> bool:
+        return self.root_device.type == "cpu"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        precision = str(self.precision_plugin.precision)
+        if precision not in _PRECISIONS:
+            raise ValueError(
+                f"precision={precision!r} is not supported by MegatronStrategy; use '32-true' "
+                f"or 'bf16-mixed' (mcore keeps fp32 main weights and grads with bf16)."
+            )
+        return _PRECISIONS[precision]
+
+    def mcore_context(self):
+        """Context for calls into mcore: on CPU, CUDA-only tensor creation lands on CPU."""
+        return cuda_on_cpu() if self.on_cpu else contextlib.nullcontext()
+
+    def validate(self, model_config=None) -> None:
+        """All layout checks, pure: runs before any process group or model exists."""
+        validate_layout(
+            self.num_nodes * self.num_processes,
+            self.parallel,
+            self.batch,
+            model_config,
+            accelerator="cpu" if self.on_cpu else "gpu",
+            use_te=model_config.uses_te("cpu" if self.on_cpu else "gpu") if model_config else False,
+        )
+
+    def setup_environment(self) -> None:
+        self.validate(getattr(self.lightning_module, "model_config", None))
+        _ = self.dtype  # refuse unsupported precision before starting processes groups
+        if self.on_cpu:
+            self._cpu.install()
+        super().setup_environment()  # sets the device, starts torch.distributed
+        from megatron.core import parallel_state
+
+        p = self.parallel
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+            context_parallel_size=p.context_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        )
+        seed_model_parallel(self.seed, self.on_cpu)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.data_parallel_size(self.world_size)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def data_parallel_batch_size(self) -> int:
+        """Rows each data-parallel rank receives per optimizer step."""
+        return self.batch.global_batch_size // self.data_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.batch.num_microbatches(self.data_parallel_size)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def is_last_pipeline_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+    # ---------------------------------------------------------------- model
+    def transformer_config(self, model_config):
+        from lightning_mcore.model.config import to_transformer_config
+
+        use_te = model_config.uses_te("cpu" if self.on_cpu else "gpu")
+        return to_transformer_config(
+            model_config, self.parallel, self.dtype, self.on_cpu, use_te, self.batch.micro_batch_size
+        )
+
+    def build_gpt(self, model_config) -> list:
+        """This rank's GPTModel chunks, with weights that do not depend on the layout."""
+        from lightning_mcore.model.build import build_chunks
+        from lightning_mcore.model.init import init_layout_invariant
+
+        self._tf_config = self.transformer_config(model_config)
+        use_te = model_config.uses_te("cpu" if self.on_cpu else "gpu")
+        with self.mcore_context():
+            chunks = build_chunks(model_config, self._tf_config, use_te)
+            for chunk in chunks:
+                chunk.to(self.root_device)
+            init_layout_invariant(chunks, model_config, self.seed)
+        return chunks
+
+    def model_to_device(self) -> None:
+        pass  # chunks are built on their device
+
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        chunks = getattr(module, "chunks", None)
+        if chunks is None or len(chunks) == 0:
+            raise RuntimeError(
+                f"{type(module).__name__} has no `chunks`: build them in configure_model() "
+                f"with `self.chunks = torch.nn.ModuleList(self.trainer.strategy.build_gpt(cfg))`."
+            )
+        self._wrap_chunks(chunks)
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.model = module
+
+    def _wrap_chunks(self, chunks: torch.nn.ModuleList) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        p = self.parallel
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=p.overlap_grad_reduce,
+            overlap_param_gather=p.overlap_param_gather,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+            check_for_nan_in_grad=False,
+        )
+        config = self._tf_config
+        with self.mcore_context():
+            for i, chunk in enumerate(chunks):
+                if isinstance(chunk, DistributedDataParallel):
+                    continue
+                chunks[i] = DistributedDataParallel(
+                    config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+                )
+        wrapped = list(chunks)
+        if p.overlap_grad_reduce:
+            config.no_sync_func = [c.no_sync for c in wrapped]
+            config.grad_sync_func = [c.start_grad_sync for c in wrapped]
+            if len(wrapped) == 1:
+                config.no_sync_func, config.grad_sync_func = wrapped[0].no_sync, wrapped[0].start_grad_sync
+        if p.overlap_param_gather:
+            config.param_sync_func = [c.start_param_sync for c in wrapped]
+            if len(wrapped) == 1:
+                config.param_sync_func = wrapped[0].start_param_sync
+        config.finalize_model_grads_func = finalize_model_grads
+
+    def megatron_optimizer(self, settings: OptimizerSettings) -> MegatronOptimizer:
+        """mcore optimizer (distributed when asked) and LR schedule over the wrapped chunks."""
+        chunks = list(self.lightning_module.chunks)
+        with self.mcore_context():
+            opt = build_megatron_optimizer(chunks, settings, self.parallel, self.dtype)
+        max_steps = self.lightning_module.trainer.max_steps
+        scheduler = build_lr_scheduler(opt, settings, max_steps if max_steps and max_steps > 0 else 0)
+
+        def zero_grad_buffers():
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+
+        return MegatronOptimizer(opt, scheduler, zero_grad_buffers, self.mcore_context)
+
+    # ---------------------------------------------------------------- steps
+    def split_microbatches(self, batch: dict) -> list[dict]:
+        rows = next(iter(batch.values())).shape[0]
+        mbs = self.batch.micro_batch_size
+        if rows % mbs:
+            raise ValueError(
+                f"a batch of {rows} rows cannot be cut into micro batches of {mbs}; the data "
+                f"loader should yield global_batch_size / data-parallel size = "
+                f"{self.data_parallel_batch_size} rows."
+            )
+        return [{k: v[i : i + mbs] for k, v in batch.items()} for i in range(0, rows, mbs)]
+
+    def forward_backward(
+        self,
+        batch: dict,
+        forward_step: Callable[[dict, torch.nn.Module], tuple],
+        forward_only: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Run mcore's schedule over the batch's microbatches; return reduced metrics.
+
+        `forward_step(microbatch, chunk)` returns (output, loss_fn) as mcore expects. Metrics
+        come back as per-token means over the global batch on every rank.
+        """
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from lightning_mcore.objectives.loss import reduce_metrics
+
+        batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
+        micro = self.split_microbatches(batch)
+        chunks = list(self.lightning_module.chunks)
+        iters = [iter(micro) for _ in chunks]
+        seq_length = next(iter(batch.values())).shape[1]
+
+        def step_fn(data_iterator, model):
+            return forward_step(next(data_iterator), model)
+
+        with self.mcore_context():
+            outputs = get_forward_backward_func()(
+                forward_step_func=step_fn,
+                data_iterator=iters if len(iters) > 1 else iters[0],
+                model=chunks,
+                num_microbatches=len(micro),
+                seq_length=seq_length,
+                micro_batch_size=self.batch.micro_batch_size,
+                forward_only=forward_only,
+            )
+            dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            metrics = reduce_metrics(outputs, dp_group) if self.is_last_pipeline_stage else {}
+        return self._share_from_last_stage(metrics)
+
+    def _share_from_last_stage(self, metrics: dict) -> dict:
+        """Give every rank the last pipeline stage's metrics (rank 0 logs and draws the bar)."""
+        from megatron.core import parallel_state
+
+        if self.parallel.pipeline_model_parallel_size == 1:
+            return metrics
+        payload = [{k: float(v) for k, v in metrics.items()}]
+        dist.broadcast_object_list(
+            payload,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+            device=self.root_device if not self.on_cpu else None,
+        )
+        return {k: torch.tensor(v, device=self.root_device) for k, v in payload[0].items()}
+
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+        return closure_loss  # mcore's schedule already ran backward for every microbatch
+
+    # ---------------------------------------------------------------- teardown
+    def teardown(self) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        super().teardown()
+        self._cpu.uninstall()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Megatron-Core parallelism")

@@ -1,0 +1,179 @@
+"""The parallel layout and every check on it, as pure functions.
+
+Nothing here touches torch.distributed: the strategy calls `validate_layout` before any
+process group or model exists, and tests call it directly.
+
+Rank layout (mcore order "tp-cp-ep-dp-pp"): with world size W = tp * cp * dp * pp,
+tensor-parallel ranks are adjacent, pipeline stages are the slowest-varying dimension:
+
+    W=8, tp=2, pp=2 -> dp=2     stage 0: [0 1] [2 3]    stage 1: [4 5] [6 7]
+                                          tp pair  tp pair (the pairs are the dp replicas)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_mcore.model.config import GPTConfig
+
+
+class LayoutError(ValueError):
+    """A parallel layout, batch size or model shape that cannot work together."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron's parallel sizes, under Megatron's names."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+    @property
+    def model_parallel_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Global batch (samples per optimizer step, all ranks) and micro batch (per forward)."""
+
+    global_batch_size: int
+    micro_batch_size: int = 1
+
+    def num_microbatches(self, data_parallel_size: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+
+def validate_layout(
+    world_size: int,
+    parallel: ParallelConfig,
+    batch: Optional[BatchConfig] = None,
+    model: Optional["GPTConfig"] = None,
+    accelerator: str = "cpu",
+    use_te: bool = False,
+) -> None:
+    """Raise LayoutError naming the problem and the fix; return None when the layout works."""
+    p = parallel
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    ep = p.expert_model_parallel_size
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size", "expert_model_parallel_size"):
+        if getattr(p, name) < 1:
+            raise LayoutError(f"{name}={getattr(p, name)} must be >= 1.")
+    if world_size % p.model_parallel_size:
+        raise LayoutError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = "
+            f"{p.model_parallel_size}. Use devices x num_nodes that is a multiple of "
+            f"{p.model_parallel_size}, or change the parallel sizes."
+        )
+    dp = p.data_parallel_size(world_size)
+    if p.sequence_parallel and tp == 1:
+        raise LayoutError(
+            "sequence_parallel=True needs tensor_model_parallel_size > 1 (it splits the "
+            "sequence across tensor-parallel ranks). Set tensor_model_parallel_size >= 2 or "
+            "sequence_parallel=False."
+        )
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp is not None and (vpp < 1 or pp == 1):
+        raise LayoutError(
+            f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
+            f"(got {pp}). Set pipeline_model_parallel_size >= 2 or leave the virtual size unset."
+        )
+    etp = p.expert_tensor_parallel_size or tp
+    if ep > 1 and (world_size // pp) % (ep * etp):
+        raise LayoutError(
+            f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) must divide "
+            f"the ranks of one pipeline stage ({world_size // pp})."
+        )
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        raise LayoutError("overlap_param_gather=True needs use_distributed_optimizer=True.")
+    if accelerator == "cpu" and use_te:
+        raise LayoutError(
+            "Transformer Engine layers need a CUDA GPU; on accelerator='cpu' use the local "
+            "layer spec (transformer_impl='local' in the model config)."
+        )
+
+    if batch is not None:
+        if batch.micro_batch_size < 1 or batch.global_batch_size < 1:
+            raise LayoutError("global_batch_size and micro_batch_size must be >= 1.")
+        if batch.global_batch_size % (batch.micro_batch_size * dp):
+            raise LayoutError(
+                f"global_batch_size ({batch.global_batch_size}) is not divisible by "
+                f"micro_batch_size ({batch.micro_batch_size}) x data-parallel size ({dp}) = "
+                f"{batch.micro_batch_size * dp}. Pick a global batch that is a multiple of it."
+            )
+        if vpp and pp > 1 and batch.num_microbatches(dp) % pp:
+            raise LayoutError(
+                f"interleaved pipeline (virtual size {vpp}) needs the number of microbatches "
+                f"({batch.num_microbatches(dp)}) to be a multiple of pipeline_model_parallel_size "
+                f"({pp}). Raise global_batch_size or lower micro_batch_size."
+            )
+
+    if model is not None:
+        _validate_model(p, model, world_size)
+
+
+def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> None:
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    groups = model.num_query_groups or model.num_attention_heads
+    if model.num_attention_heads % tp:
+        raise LayoutError(
+            f"num_attention_heads ({model.num_attention_heads}) is not divisible by "
+            f"tensor_model_parallel_size ({tp}). Use a tensor-parallel size that divides it."
+        )
+    if groups % tp:
+        raise LayoutError(
+            f"num_query_groups ({groups}, the key/value heads) is not divisible by "
+            f"tensor_model_parallel_size ({tp}). Use a tensor-parallel size that divides it."
+        )
+    stages = pp * p.virtual_stages
+    if model.num_layers % stages:
+        what = f"pipeline_model_parallel_size ({pp})"
+        if p.virtual_pipeline_model_parallel_size:
+            what += f" x virtual_pipeline_model_parallel_size ({p.virtual_stages}) = {stages}"
+        raise LayoutError(
+            f"num_layers ({model.num_layers}) is not divisible by {what}: every (virtual) "
+            f"pipeline stage needs the same number of layers."
+        )
+    ep = p.expert_model_parallel_size
+    if ep > 1 and not model.num_moe_experts:
+        raise LayoutError(
+            f"expert_model_parallel_size={ep} needs a MoE model (num_moe_experts is not set)."
+        )
+    if model.num_moe_experts and model.num_moe_experts % ep:
+        raise LayoutError(
+            f"expert_model_parallel_size ({ep}) does not divide num_moe_experts "
+            f"({model.num_moe_experts}). Use an expert-parallel size that divides it."
+        )
+    if p.context_parallel_size > 1 and model.seq_length % (2 * p.context_parallel_size):
+        raise LayoutError(
+            f"seq_length ({model.seq_length}) must be divisible by 2 x context_parallel_size "
+            f"({2 * p.context_parallel_size}) for load-balanced context parallelism."
+        )
+    if p.sequence_parallel and model.seq_length % tp:
+        raise LayoutError(
+            f"sequence_parallel splits seq_length ({model.seq_length}) over "
+            f"tensor_model_parallel_size ({tp}); make it divisible."
+        )
