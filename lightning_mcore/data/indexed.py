@@ -112,6 +112,8 @@ def build_indexed_datasets(
             )
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer at {tokenizer_path!r} has no eos_token, which mcore needs")
+    if len(prefixes) > 1 and not torch.distributed.is_initialized():
+        cache_dir = None  # mcore's BlendedDataset can only write a cache_dir under torch.distributed
     options = dict(
         random_seed=seed,
         sequence_length=seq_length,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import json
 import os
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -42,13 +43,18 @@ def resolve_files(paths: Union[str, Sequence[str]]) -> list[str]:
     return files
 
 
-def load_tokenizer(path: str) -> Any:
-    """Load an HF tokenizer from a local directory, naming the directory if it is missing."""
+def tokenizer_dir(path: str) -> str:
+    """The expanded tokenizer directory, or an error naming it if it does not exist."""
     if not os.path.isdir(os.path.expanduser(path)):
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
+    return os.path.expanduser(path)
+
+
+def load_tokenizer(path: str) -> Any:
+    """Load an HF tokenizer from a local directory (never from the Hub)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.expanduser(path))
+    return AutoTokenizer.from_pretrained(tokenizer_dir(path))
 
 
 def load_documents(files: Sequence[str], text_field: str = "text", cache_dir: Optional[str] = None):
@@ -64,7 +70,7 @@ def load_documents(files: Sequence[str], text_field: str = "text", cache_dir: Op
         else:
             part = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
             if text_field not in part.column_names:
-                raise KeyError(
+                raise ValueError(
                     f"field {text_field!r} not found in {', '.join(group)}; "
                     f"columns found: {part.column_names}"
                 )
@@ -99,9 +105,7 @@ def tokenize_documents(documents, tokenizer: Any, add_eos: bool = True, num_proc
     eos = tokenizer.eos_token_id if add_eos else None
     if add_eos and eos is None:
         raise ValueError("the tokenizer has no eos_token: set add_eos=False or add one")
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    content = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
-    key = f"lightning_mcore-tokenize-v1|{documents._fingerprint}|{type(tokenizer).__name__}|{content}|{eos}"
+    key = f"lightning_mcore-tokenize-v1|{documents._fingerprint}|{_tokenizer_content(tokenizer)}|{eos}"
     return documents.map(
         _tokenize_batch,
         batched=True,
@@ -112,6 +116,18 @@ def tokenize_documents(documents, tokenizer: Any, add_eos: bool = True, num_proc
         new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:32],
         desc="Tokenizing",
     )
+
+
+def _tokenizer_content(tokenizer: Any) -> str:
+    """What decides the ids: the backend's serialized model, less the truncation/padding state
+    that calling the tokenizer may change."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return f"{type(tokenizer).__name__}|{sorted(tokenizer.get_vocab().items())}"
+    state = json.loads(backend.to_str())
+    state.pop("truncation", None)
+    state.pop("padding", None)
+    return f"{type(tokenizer).__name__}|{json.dumps(state, sort_keys=True)}"
 
 
 def _tokenize_batch(batch: dict, tokenizer: Any, eos_token_id: Optional[int]) -> dict:

@@ -7,8 +7,7 @@ batch of one optimizer step, read from ``trainer.strategy.data_parallel_batch_si
 
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -100,6 +99,13 @@ class _SeatedLoader(DataLoader):
             self.sampler.consumed_samples = self._position()
         return super().__iter__()
 
+    def state_dict(self) -> dict[str, int]:
+        """Marks the loader resumable for Lightning; the position comes back with the trainer step."""
+        return {"consumed_samples": self._position()}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Nothing to restore: ``position()`` follows the restored trainer step."""
+
 
 class PretrainDataModule(L.LightningDataModule):
     """Pretraining data from text/jsonl/parquet files, or from mcore indexed datasets.
@@ -109,7 +115,8 @@ class PretrainDataModule(L.LightningDataModule):
         tokenizer: path to an HF tokenizer directory.
         seq_length: tokens per sequence ``S``.
         text_field: document column of jsonl/parquet files.
-        val_split: fraction of packed sequences held out for validation (0: no validation).
+        val_split: fraction held out for validation (0: no validation): of the packed
+            sequences, or for indexed datasets (split by mcore) of the documents.
         seed: seed of the train/validation split and of the per-epoch shuffle.
         shuffle: reshuffle training sequences every epoch.
         num_workers: DataLoader worker processes.
@@ -148,8 +155,7 @@ class PretrainDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.files = preprocess.resolve_files(paths) if paths is not None else None
         self.indexed_prefixes = list(indexed_prefixes) if indexed_prefixes is not None else None
-        if not os.path.isdir(os.path.expanduser(tokenizer)):
-            raise FileNotFoundError(f"tokenizer directory {tokenizer!r} does not exist")
+        preprocess.tokenizer_dir(tokenizer)  # fail now, not after the trainer has started
         self._tokenizer: Any = None
         self.train_dataset: Optional[Dataset] = None
         self.val_dataset: Optional[Dataset] = None
@@ -240,7 +246,8 @@ class PretrainDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             self.setup("fit")
-        return self._loader("training", self.train_dataset, self.hparams.shuffle, self._consumed_samples)
+        shuffle = self.hparams.shuffle
+        return self._loader("training", self.train_dataset, shuffle, self._consumed_samples)
 
     def val_dataloader(self) -> Union[DataLoader, list]:
         if self.train_dataset is None:

@@ -276,6 +276,10 @@ class MegatronStrategy(DDPStrategy):
         iters = [iter(micro) for _ in chunks]
         seq_length = next(iter(batch.values())).shape[1]
 
+        if not forward_only:
+            for optimizer in self.optimizers:
+                optimizer.clear_grads()
+
         def step_fn(data_iterator, model):
             return forward_step(next(data_iterator), model)
 

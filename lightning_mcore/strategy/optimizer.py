@@ -101,8 +101,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: Lightning calls it between training_step and backward, but mcore's schedule
+        has already run backward inside training_step. `clear_grads` runs before the schedule."""
+
+    def clear_grads(self) -> None:
         self._zero_grad_buffers()
-        self.optimizer.zero_grad(set_to_none)
+        self.optimizer.zero_grad()
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None

@@ -1,0 +1,129 @@
+"""Indexed datasets: the preprocess command writes the tokenizer's ids; mcore's GPTDataset reads them."""
+
+import runpy
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from transformers import AutoTokenizer
+
+from lightning_mcore.data import PretrainDataModule
+from lightning_mcore.data.preprocess import main as preprocess
+
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "configs" / "sample_data"
+SAMPLE = str(SAMPLE_DIR / "sample.txt")
+TOKENIZER = str(SAMPLE_DIR / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def documents(tok):
+    """Reference: each paragraph of the sample encoded by the tokenizer itself, then EOS."""
+    paragraphs = [p.strip() for p in Path(SAMPLE).read_text().split("\n\n") if p.strip()]
+    return [tuple(tok.encode(p, add_special_tokens=False) + [tok.eos_token_id]) for p in paragraphs]
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory):
+    out = tmp_path_factory.mktemp("indexed")
+    args = ["--input", SAMPLE, "--tokenizer", TOKENIZER, "--output-prefix", str(out / "sample")]
+    preprocess(args + ["--append-eos", "--cache-dir", str(out / "cache")])
+    return str(out / "sample")
+
+
+def attach(dm, batch_size):
+    strategy = SimpleNamespace(
+        data_parallel_batch_size=batch_size, distributed_sampler_kwargs={"num_replicas": 1, "rank": 0}
+    )
+    dm.trainer = SimpleNamespace(strategy=strategy, global_step=0)
+    return dm
+
+
+def indexed_module(prefixes, seq_length=32, **kwargs):
+    return PretrainDataModule(indexed_prefixes=prefixes, tokenizer=TOKENIZER, seq_length=seq_length, **kwargs)
+
+
+def test_preprocess_writes_one_document_per_paragraph(prefix, documents):
+    written = IndexedDataset(prefix)
+    assert [tuple(written[i].tolist()) for i in range(len(written))] == documents
+
+
+def test_preprocess_without_eos_writes_bare_encodings(tmp_path, documents):
+    preprocess(["--input", SAMPLE, "--tokenizer", TOKENIZER, "--output-prefix", str(tmp_path / "bare"),
+                "--cache-dir", str(tmp_path / "cache")])
+    written = IndexedDataset(str(tmp_path / "bare"))
+    assert [tuple(written[i].tolist()) for i in range(len(written))] == [d[:-1] for d in documents]
+
+
+def is_run_of(window, documents):
+    """Whether the window is a doc suffix, then whole docs, then a doc prefix (docs in any order)."""
+    eos = documents[0][-1]
+    pieces, start = [], 0
+    for i, token in enumerate(window):
+        if token == eos:
+            pieces.append(window[start : i + 1])
+            start = i + 1
+    pieces.append(window[start:])
+    if len(pieces) == 1 or (len(pieces) == 2 and not pieces[1]):
+        return any(_contains(doc, pieces[0]) for doc in documents)
+    head, middle, tail = pieces[0], pieces[1:-1], pieces[-1]
+    whole = set(documents)
+    return (
+        any(doc[-len(head) :] == head for doc in documents)
+        and all(piece in whole for piece in middle)
+        and (not tail or any(doc[: len(tail)] == tail for doc in documents))
+    )
+
+
+def _contains(doc, piece):
+    return any(doc[i : i + len(piece)] == piece for i in range(len(doc) - len(piece) + 1))
+
+
+def test_datamodule_reads_indexed_sequences_of_the_tokenizer_encoding(prefix, documents):
+    dm = attach(indexed_module([prefix], seq_length=32, shuffle=False), batch_size=4)
+    dm.setup("fit")
+    total = sum(len(d) for d in documents)
+    assert len(dm.train_dataset) == (total - 1) // 32  # mcore: windows of S + 1 overlapping by one
+    batches = list(dm.train_dataloader())
+    assert len(batches) == len(dm.train_dataset) // 4
+    for batch in batches:
+        assert all(v.shape == (4, 32) for v in batch.values())
+        assert batch["loss_mask"].dtype == torch.float32 and bool((batch["loss_mask"] == 1).all())
+        assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
+        assert torch.equal(batch["position_ids"], torch.arange(32).expand(4, 32))
+        for row in torch.cat([batch["tokens"], batch["labels"][:, -1:]], 1).tolist():
+            assert is_run_of(tuple(row), documents)
+
+
+def test_indexed_val_split_and_blend(prefix, tmp_path):
+    alone = indexed_module([prefix])
+    alone.setup("fit")
+    dm = attach(indexed_module([prefix, prefix], val_split=0.2, cache_dir=str(tmp_path)), batch_size=2)
+    dm.setup("fit")
+    assert 0 < len(dm.val_dataset) < len(dm.train_dataset) < 2 * len(alone.train_dataset)
+    batch = next(iter(dm.val_dataloader()))
+    assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
+
+
+def test_missing_prefix_is_named(tmp_path):
+    dm = indexed_module([str(tmp_path / "absent")])
+    with pytest.raises(FileNotFoundError, match=r"indexed dataset .*absent.* lacks .*absent\.bin"):
+        dm.setup("fit")
+
+
+def test_module_runs_as_a_command(tmp_path, monkeypatch, capsys):
+    """What ``python -m lightning_mcore.data.preprocess ...`` runs, without a new interpreter."""
+    out = str(tmp_path / "cli")
+    argv = ["preprocess", "--input", SAMPLE, "--tokenizer", TOKENIZER, "--output-prefix", out,
+            "--append-eos", "--cache-dir", str(tmp_path / "cache")]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_module("lightning_mcore.data.preprocess", run_name="__main__", alter_sys=True)
+    assert capsys.readouterr().out.startswith("wrote ")
+    assert Path(out + ".bin").is_file() and Path(out + ".idx").is_file()

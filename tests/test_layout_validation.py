@@ -1,0 +1,84 @@
+"""Acceptance: each bad layout is refused with a clear message before any process group exists."""
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+
+from lightning_mcore import BatchConfig, LayoutError, MegatronStrategy, ParallelConfig, PretrainModule
+from lightning_mcore.strategy.parallel import validate_layout
+from toy import tiny_config
+
+
+def refuse(match, world=4, batch=BatchConfig(8, 1), model=None, accelerator="cpu", use_te=False, **p):
+    with pytest.raises(LayoutError, match=match):
+        validate_layout(world, ParallelConfig(**p), batch, model or tiny_config(), accelerator, use_te)
+
+
+def test_world_size_not_divisible_by_model_parallel():
+    refuse(r"world size 6 is not divisible by .* = 4", world=6,
+           tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+
+
+def test_world_size_not_divisible_with_context_parallel():
+    refuse(r"context_parallel_size \(2\) = 4", world=2, tensor_model_parallel_size=2, context_parallel_size=2)
+
+
+def test_global_batch_not_divisible_by_micro_batch_times_dp():
+    refuse(r"global_batch_size \(6\) is not divisible by micro_batch_size \(2\) x data-parallel size \(2\)",
+           world=4, batch=BatchConfig(6, 2), tensor_model_parallel_size=2)
+
+
+def test_heads_not_divisible_by_tp():
+    refuse(r"num_attention_heads \(6\) is not divisible by tensor_model_parallel_size \(4\)",
+           model=tiny_config(num_attention_heads=6, num_query_groups=2, hidden_size=96),
+           tensor_model_parallel_size=4)
+
+
+def test_query_groups_not_divisible_by_tp():
+    refuse(r"num_query_groups \(2, the key/value heads\) is not divisible by tensor_model_parallel_size \(4\)",
+           tensor_model_parallel_size=4)
+
+
+def test_layers_not_divisible_by_pp():
+    refuse(r"num_layers \(3\) is not divisible by pipeline_model_parallel_size \(2\)",
+           model=tiny_config(num_layers=3), world=2, pipeline_model_parallel_size=2)
+
+
+def test_layers_not_divisible_by_pp_times_vpp():
+    refuse(r"num_layers \(4\) is not divisible by .*virtual_pipeline_model_parallel_size \(4\) = 8",
+           world=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4)
+
+
+def test_sequence_parallel_without_tp():
+    refuse(r"sequence_parallel=True needs tensor_model_parallel_size > 1", sequence_parallel=True)
+
+
+def test_vpp_without_pp():
+    refuse(r"virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1",
+           virtual_pipeline_model_parallel_size=2)
+
+
+def test_ep_not_dividing_experts():
+    refuse(r"expert_model_parallel_size \(4\) does not divide num_moe_experts \(6\)",
+           model=tiny_config(num_moe_experts=6), expert_model_parallel_size=4)
+
+
+def test_te_on_cpu():
+    refuse(r"Transformer Engine layers need a CUDA GPU", use_te=True)
+
+
+def test_good_layout_passes():
+    validate_layout(8, ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                      sequence_parallel=True), BatchConfig(8, 2), tiny_config())
+
+
+def test_trainer_refuses_before_process_group_exists():
+    """Through the real Trainer: TE asked for on CPU fails before torch.distributed starts."""
+    strategy = MegatronStrategy(tensor_model_parallel_size=2, global_batch_size=4, start_method="fork")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    module = PretrainModule(tiny_config())
+    with pytest.raises(LayoutError, match="world size 1 is not divisible"):
+        trainer.fit(module, [])
+    assert not dist.is_initialized()
+    assert module.chunks is None  # no model was built
