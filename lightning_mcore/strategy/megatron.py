@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu, seed_model_parallel
@@ -33,7 +36,6 @@ _PRECISIONS = {
     "32-true": torch.float32,
     "32": torch.float32,
     "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
 }
 
 
@@ -56,10 +58,25 @@ class MegatronStrategy(DDPStrategy):
         micro_batch_size: int = 1,
         seed: int = 1234,
         timeout: Optional[timedelta] = timedelta(minutes=30),
-        start_method: str = "popen",
-        **kwargs: Any,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: Optional[str] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
     ) -> None:
-        super().__init__(timeout=timeout, start_method=start_method, **kwargs)
+        """Parallel sizes carry Megatron's names; the rest is Lightning's usual plumbing."""
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         self.parallel = ParallelConfig(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -109,6 +126,13 @@ class MegatronStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         self.validate(getattr(self.lightning_module, "model_config", None))
+        trainer = self.lightning_module.trainer
+        if trainer is not None and trainer.checkpoint_callbacks:
+            # Lightning's default save would write rank 0's shards only: a silently broken file.
+            raise NotImplementedError(
+                "MegatronStrategy cannot save Lightning checkpoints yet (sharded dist_checkpointing "
+                "is not implemented); pass Trainer(enable_checkpointing=False)."
+            )
         _ = self.dtype  # refuse unsupported precision before starting processes groups
         if self.on_cpu:
             self._cpu.install()
@@ -311,6 +335,14 @@ class MegatronStrategy(DDPStrategy):
             device=self.root_device if not self.on_cpu else None,
         )
         return {k: torch.tensor(v, device=self.root_device) for k, v in payload[0].items()}
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        # No autocast context: mcore runs mixed precision itself (bf16 weights, fp32 main
+        # weights and grads in its optimizer), so Lightning's autocast would only add casts.
+        return self.lightning_module.training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        return self.lightning_module.validation_step(*args, **kwargs)
 
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
         return closure_loss  # mcore's schedule already ran backward for every microbatch
