@@ -1,33 +1,23 @@
-"""Indexed datasets: the preprocess command writes the tokenizer's ids; mcore's GPTDataset reads them."""
+"""Indexed datasets: preprocess writes the tokenizer's ids; mcore's GPTDataset reads them back."""
 
 import runpy
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from transformers import AutoTokenizer
+from test_data_pretrain import SAMPLE, TOKENIZER, attach, paragraphs, tok  # noqa: F401 (fixture)
 
 from lightning_mcore.data import PretrainDataModule
 from lightning_mcore.data.preprocess import main as preprocess
 
-SAMPLE_DIR = Path(__file__).resolve().parents[1] / "configs" / "sample_data"
-SAMPLE = str(SAMPLE_DIR / "sample.txt")
-TOKENIZER = str(SAMPLE_DIR / "tokenizer")
-
 
 @pytest.fixture(scope="module")
-def tok():
-    return AutoTokenizer.from_pretrained(TOKENIZER)
-
-
-@pytest.fixture(scope="module")
-def documents(tok):
+def documents(tok):  # noqa: F811 (the imported fixture)
     """Reference: each paragraph of the sample encoded by the tokenizer itself, then EOS."""
-    paragraphs = [p.strip() for p in Path(SAMPLE).read_text().split("\n\n") if p.strip()]
-    return [tuple(tok.encode(p, add_special_tokens=False) + [tok.eos_token_id]) for p in paragraphs]
+    eos = [tok.eos_token_id]
+    return [tuple(tok.encode(p, add_special_tokens=False) + eos) for p in paragraphs(SAMPLE)]
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +28,10 @@ def prefix(tmp_path_factory):
     return str(out / "sample")
 
 
-def attach(dm, batch_size):
-    strategy = SimpleNamespace(
-        data_parallel_batch_size=batch_size, distributed_sampler_kwargs={"num_replicas": 1, "rank": 0}
-    )
-    dm.trainer = SimpleNamespace(strategy=strategy, global_step=0)
-    return dm
-
-
 def indexed_module(prefixes, seq_length=32, **kwargs):
-    return PretrainDataModule(indexed_prefixes=prefixes, tokenizer=TOKENIZER, seq_length=seq_length, **kwargs)
+    return PretrainDataModule(
+        indexed_prefixes=prefixes, tokenizer=TOKENIZER, seq_length=seq_length, **kwargs
+    )
 
 
 def test_preprocess_writes_one_document_per_paragraph(prefix, documents):
@@ -56,14 +40,24 @@ def test_preprocess_writes_one_document_per_paragraph(prefix, documents):
 
 
 def test_preprocess_without_eos_writes_bare_encodings(tmp_path, documents):
-    preprocess(["--input", SAMPLE, "--tokenizer", TOKENIZER, "--output-prefix", str(tmp_path / "bare"),
-                "--cache-dir", str(tmp_path / "cache")])
+    preprocess(
+        [
+            "--input",
+            SAMPLE,
+            "--tokenizer",
+            TOKENIZER,
+            "--output-prefix",
+            str(tmp_path / "bare"),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     written = IndexedDataset(str(tmp_path / "bare"))
     assert [tuple(written[i].tolist()) for i in range(len(written))] == [d[:-1] for d in documents]
 
 
 def is_run_of(window, documents):
-    """Whether the window is a doc suffix, then whole docs, then a doc prefix (docs in any order)."""
+    """Whether the window is a doc suffix, whole docs, then a doc prefix (docs in any order)."""
     eos = documents[0][-1]
     pieces, start = [], 0
     for i, token in enumerate(window):
@@ -105,7 +99,9 @@ def test_datamodule_reads_indexed_sequences_of_the_tokenizer_encoding(prefix, do
 def test_indexed_val_split_and_blend(prefix, tmp_path):
     alone = indexed_module([prefix])
     alone.setup("fit")
-    dm = attach(indexed_module([prefix, prefix], val_split=0.2, cache_dir=str(tmp_path)), batch_size=2)
+    dm = attach(
+        indexed_module([prefix, prefix], val_split=0.2, cache_dir=str(tmp_path)), batch_size=2
+    )
     dm.setup("fit")
     assert 0 < len(dm.val_dataset) < len(dm.train_dataset) < 2 * len(alone.train_dataset)
     batch = next(iter(dm.val_dataloader()))
@@ -121,8 +117,18 @@ def test_missing_prefix_is_named(tmp_path):
 def test_module_runs_as_a_command(tmp_path, monkeypatch, capsys):
     """What ``python -m lightning_mcore.data.preprocess ...`` runs, without a new interpreter."""
     out = str(tmp_path / "cli")
-    argv = ["preprocess", "--input", SAMPLE, "--tokenizer", TOKENIZER, "--output-prefix", out,
-            "--append-eos", "--cache-dir", str(tmp_path / "cache")]
+    argv = [
+        "preprocess",
+        "--input",
+        SAMPLE,
+        "--tokenizer",
+        TOKENIZER,
+        "--output-prefix",
+        out,
+        "--append-eos",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_module("lightning_mcore.data.preprocess", run_name="__main__", alter_sys=True)
     assert capsys.readouterr().out.startswith("wrote ")

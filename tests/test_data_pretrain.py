@@ -1,5 +1,6 @@
 """PretrainDataModule on text files: packing, the batch contract, ranks, resume, clear errors."""
 
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,16 +48,20 @@ def attach(dm, batch_size, dp_size=1, rank=0, global_step=0):
 
 
 def make(tmp_path, paths=SAMPLE, seq_length=32, **kwargs):
-    return PretrainDataModule(paths, TOKENIZER, seq_length, cache_dir=str(tmp_path / "cache"), **kwargs)
+    return PretrainDataModule(
+        paths, TOKENIZER, seq_length, cache_dir=str(tmp_path / "cache"), **kwargs
+    )
 
 
 def take(loader, n):
-    return [batch for _, batch in zip(range(n), loader)]
+    return list(itertools.islice(loader, n))
 
 
 def sequences(batches):
     """Each row's S + 1 tokens: the inputs plus the final label."""
-    return [row for b in batches for row in torch.cat([b["tokens"], b["labels"][:, -1:]], 1).tolist()]
+    return [
+        row for b in batches for row in torch.cat([b["tokens"], b["labels"][:, -1:]], 1).tolist()
+    ]
 
 
 def test_batches_follow_the_contract(tmp_path):
@@ -66,7 +71,9 @@ def test_batches_follow_the_contract(tmp_path):
     batch = next(iter(dm.train_dataloader()))
     assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
     assert all(v.shape == (3, 32) for v in batch.values())
-    assert batch["tokens"].dtype == batch["labels"].dtype == batch["position_ids"].dtype == torch.int64
+    assert (
+        batch["tokens"].dtype == batch["labels"].dtype == batch["position_ids"].dtype == torch.int64
+    )
     assert batch["loss_mask"].dtype == torch.float32 and bool((batch["loss_mask"] == 1).all())
     assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
     assert torch.equal(batch["position_ids"], torch.arange(32).expand(3, 32))
@@ -85,9 +92,16 @@ def test_packing_reproduces_the_encoding_of_documents_joined_with_eos(tmp_path, 
 def test_jsonl_and_parquet_read_the_text_field_in_order(tmp_path, tok):
     docs_a = ["The owl sat on the old mill.", "  ", "Rosa bought eggs.\n"]
     docs_b = ["Snow lay on the hills.", "", "Tom walked to the station."]
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(docs_a)))
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"body": d, "id": i}) + "\n" for i, d in enumerate(docs_a))
+    )
     pq.write_table(pa.table({"body": docs_b}), tmp_path / "b.parquet")
-    dm = make(tmp_path, paths=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], seq_length=4, text_field="body")
+    dm = make(
+        tmp_path,
+        paths=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")],
+        seq_length=4,
+        text_field="body",
+    )
     dm.setup("fit")
     reference = reference_ids(tok, [d.strip() for d in docs_a + docs_b if d.strip()])
     packed = [t for i in range(len(dm.train_dataset)) for t in dm.train_dataset.window(i).tolist()]
@@ -99,7 +113,9 @@ def test_globs_expand_in_sorted_order(tmp_path, tok):
     (tmp_path / "a.txt").write_text("First file text.\n\nAnother paragraph here.\n")
     dm = make(tmp_path, paths=str(tmp_path / "*.txt"), seq_length=2)
     dm.setup("fit")
-    reference = reference_ids(tok, ["First file text.", "Another paragraph here.", "Second file text about a red kite."])
+    reference = reference_ids(
+        tok, ["First file text.", "Another paragraph here.", "Second file text about a red kite."]
+    )
     packed = [t for i in range(len(dm.train_dataset)) for t in dm.train_dataset.window(i).tolist()]
     assert packed == reference[: len(reference) // 3 * 3]
 
@@ -112,7 +128,9 @@ def test_ranks_read_their_slice_of_each_global_batch(tmp_path):
     global_batches = sequences(take(whole.train_dataloader(), 4))
     rank_batches = [sequences(take(dm.train_dataloader(), 4)) for dm in parts]
     for step in range(4):
-        combined = rank_batches[0][step * 3 : step * 3 + 3] + rank_batches[1][step * 3 : step * 3 + 3]
+        combined = (
+            rank_batches[0][step * 3 : step * 3 + 3] + rank_batches[1][step * 3 : step * 3 + 3]
+        )
         assert combined == global_batches[step * 6 : step * 6 + 6]
 
 
@@ -184,14 +202,18 @@ def test_text_shorter_than_one_sequence(tmp_path, tok):
     (tmp_path / "short.txt").write_text("Hello world.\n")
     found = len(tok.encode("Hello world.", add_special_tokens=False)) + 1
     dm = make(tmp_path, paths=str(tmp_path / "short.txt"), seq_length=64)
-    with pytest.raises(ValueError, match=f"has {found} tokens but one sequence needs seq_length \\+ 1 = 65"):
+    with pytest.raises(
+        ValueError, match=f"has {found} tokens but one sequence needs seq_length \\+ 1 = 65"
+    ):
         dm.setup("fit")
 
 
 def test_missing_text_field_names_field_and_columns(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x", "id": 1}) + "\n")
     dm = make(tmp_path, paths=str(tmp_path / "d.jsonl"))
-    with pytest.raises(ValueError, match=r"field 'text' not found.*columns found: \['body', 'id'\]"):
+    with pytest.raises(
+        ValueError, match=r"field 'text' not found.*columns found: \['body', 'id'\]"
+    ):
         dm.setup("fit")
 
 
@@ -204,7 +226,9 @@ def test_paths_and_indexed_prefixes_exclude_each_other(tmp_path):
 
 def test_other_strategies_are_refused(tmp_path):
     dm = make(tmp_path)
-    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={}), global_step=0)
+    dm.trainer = SimpleNamespace(
+        strategy=SimpleNamespace(distributed_sampler_kwargs={}), global_step=0
+    )
     dm.setup("fit")
     with pytest.raises(TypeError, match="needs lightning_mcore.MegatronStrategy"):
         dm.train_dataloader()
@@ -213,7 +237,9 @@ def test_other_strategies_are_refused(tmp_path):
 def test_too_few_sequences_for_a_global_batch(tmp_path):
     dm = attach(make(tmp_path, seq_length=512), batch_size=16, dp_size=4)
     dm.setup("fit")
-    with pytest.raises(ValueError, match=r"training data of seq_length=512: \d+ samples cannot fill .* 64"):
+    with pytest.raises(
+        ValueError, match=r"training data of seq_length=512: \d+ samples cannot fill .* 64"
+    ):
         dm.train_dataloader()
 
 
@@ -244,8 +270,12 @@ class _Recorder(L.LightningModule):
 def test_lightning_resumes_a_mid_epoch_checkpoint_with_the_same_batches(tmp_path):
     def fit(max_steps, ckpt_path=None):
         trainer = L.Trainer(
-            strategy=_OneRankStrategy(torch.device("cpu")), max_steps=max_steps, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            strategy=_OneRankStrategy(torch.device("cpu")),
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         model = _Recorder()
         trainer.fit(model, make(tmp_path, seq_length=128), ckpt_path=ckpt_path)

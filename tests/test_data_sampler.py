@@ -25,7 +25,9 @@ def test_sequential_global_batches_are_split_by_rank():
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 def test_shuffled_ranks_cover_each_global_batch_without_overlap(dp_size):
     batch, seed = 3, 11
-    samplers = [DataParallelSampler(50, batch, r, dp_size, shuffle=True, seed=seed) for r in range(dp_size)]
+    samplers = [
+        DataParallelSampler(50, batch, r, dp_size, shuffle=True, seed=seed) for r in range(dp_size)
+    ]
     per_rank = [list(s) for s in samplers]
     perm = torch.randperm(50, generator=torch.Generator().manual_seed(seed)).tolist()
     gbs = batch * dp_size
@@ -48,8 +50,14 @@ def test_len_counts_what_this_rank_yields_from_the_position():
 def test_resume_yields_the_tail_of_an_uninterrupted_run(shuffle, steps):
     batch, dp_size = 2, 3  # 20 samples -> 3 global steps of 6 per epoch
     for rank in range(dp_size):
-        full = [i for e in epochs(DataParallelSampler(20, batch, rank, dp_size, shuffle, seed=5), 4) for i in e]
-        resumed = DataParallelSampler(20, batch, rank, dp_size, shuffle, seed=5, consumed_samples=steps * 6)
+        full = [
+            i
+            for e in epochs(DataParallelSampler(20, batch, rank, dp_size, shuffle, seed=5), 4)
+            for i in e
+        ]
+        resumed = DataParallelSampler(
+            20, batch, rank, dp_size, shuffle, seed=5, consumed_samples=steps * 6
+        )
         tail = [i for e in epochs(resumed, 4) for i in e]
         assert tail[: len(full) - steps * batch] == full[steps * batch :]
 
@@ -78,7 +86,9 @@ def test_position_between_global_batches_continues_exactly():
 
 
 def test_drop_last_false_pads_the_last_global_batch_from_the_epoch_start():
-    ranks = [list(DataParallelSampler(10, 3, r, 2, shuffle=False, drop_last=False)) for r in range(2)]
+    ranks = [
+        list(DataParallelSampler(10, 3, r, 2, shuffle=False, drop_last=False)) for r in range(2)
+    ]
     assert ranks == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 0, 1]]
 
 

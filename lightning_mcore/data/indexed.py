@@ -19,7 +19,12 @@ try:
 except ImportError:  # older mcore: GPTDatasetConfig only duck-types the tokenizer
     MegatronTokenizerBase = object  # type: ignore[misc,assignment]
 
-BATCH_KEYS = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
+BATCH_KEYS = {
+    "tokens": torch.int64,
+    "labels": torch.int64,
+    "loss_mask": torch.float32,
+    "position_ids": torch.int64,
+}
 
 
 class HFTokenizerAdapter(MegatronTokenizerBase):
@@ -35,7 +40,11 @@ class HFTokenizerAdapter(MegatronTokenizerBase):
     @property
     def unique_identifiers(self) -> OrderedDict:
         return OrderedDict(
-            [("class", type(self).__name__), ("tokenizer_path", self.path), ("vocab_size", self.vocab_size)]
+            [
+                ("class", type(self).__name__),
+                ("tokenizer_path", self.path),
+                ("vocab_size", self.vocab_size),
+            ]
         )
 
     @property
@@ -100,7 +109,9 @@ def build_indexed_datasets(
     mcore splits by documents, so ``val_split`` is a fraction of documents here. Must run on
     every rank: when torch.distributed is up, rank 0 builds the index cache first.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     for prefix in prefixes:
@@ -113,7 +124,9 @@ def build_indexed_datasets(
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer at {tokenizer_path!r} has no eos_token, which mcore needs")
     if len(prefixes) > 1 and not torch.distributed.is_initialized():
-        cache_dir = None  # mcore's BlendedDataset can only write a cache_dir under torch.distributed
+        cache_dir = (
+            None  # mcore's BlendedDataset can only write a cache_dir under torch.distributed
+        )
     options = dict(
         random_seed=seed,
         sequence_length=seq_length,
@@ -128,12 +141,17 @@ def build_indexed_datasets(
     )
     known = {field.name for field in dataclasses.fields(GPTDatasetConfig)}
     config = GPTDatasetConfig(**{k: v for k, v in options.items() if k in known})
-    train, val, _ = BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True, config).build()
+    train, val, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [None, None, None], lambda: True, config
+    ).build()
     if train is None or len(train) == 0:
-        raise ValueError(f"indexed datasets {list(prefixes)} give no training sequence of {seq_length + 1} tokens")
+        raise ValueError(
+            f"indexed datasets {list(prefixes)} give no training sequence "
+            f"of {seq_length + 1} tokens"
+        )
     if val_split > 0 and (val is None or len(val) == 0):
         raise ValueError(
-            f"val_split={val_split} of the documents in {list(prefixes)} gives no validation sequence "
-            f"of {seq_length + 1} tokens"
+            f"val_split={val_split} of the documents in {list(prefixes)} gives no "
+            f"validation sequence of {seq_length + 1} tokens"
         )
     return BatchContractView(train), (BatchContractView(val) if val_split > 0 else None)

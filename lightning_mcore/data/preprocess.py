@@ -26,7 +26,7 @@ BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parq
 
 
 def resolve_files(paths: Union[str, Sequence[str]]) -> list[str]:
-    """Expand files and globs in order, failing on a path that matches nothing or an unknown type."""
+    """Expand files and globs in order; fail on a path that matches nothing or an unknown type."""
     files: list[str] = []
     for path in [paths] if isinstance(paths, str) else list(paths):
         matches = sorted(glob.glob(os.path.expanduser(path), recursive=True))
@@ -68,7 +68,9 @@ def load_documents(files: Sequence[str], text_field: str = "text", cache_dir: Op
                 "text", data_files=group, sample_by="paragraph", split="train", cache_dir=cache_dir
             )
         else:
-            part = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
+            part = datasets.load_dataset(
+                builder, data_files=group, split="train", cache_dir=cache_dir
+            )
             if text_field not in part.column_names:
                 raise ValueError(
                     f"field {text_field!r} not found in {', '.join(group)}; "
@@ -93,7 +95,9 @@ def _runs_of_same_builder(files: Sequence[str]) -> Iterable[tuple[str, list[str]
     return runs
 
 
-def tokenize_documents(documents, tokenizer: Any, add_eos: bool = True, num_proc: Optional[int] = None):
+def tokenize_documents(
+    documents, tokenizer: Any, add_eos: bool = True, num_proc: Optional[int] = None
+):
     """Tokenize with ``datasets.map`` into an ``input_ids`` column (int32), EOS after each document.
 
     The cache fingerprint is computed from the data and the tokenizer's content rather than by
@@ -105,7 +109,8 @@ def tokenize_documents(documents, tokenizer: Any, add_eos: bool = True, num_proc
     eos = tokenizer.eos_token_id if add_eos else None
     if add_eos and eos is None:
         raise ValueError("the tokenizer has no eos_token: set add_eos=False or add one")
-    key = f"lightning_mcore-tokenize-v1|{documents._fingerprint}|{_tokenizer_content(tokenizer)}|{eos}"
+    content = _tokenizer_content(tokenizer)
+    key = f"lightning_mcore-tokenize-v1|{documents._fingerprint}|{content}|{eos}"
     return documents.map(
         _tokenize_batch,
         batched=True,
@@ -165,7 +170,7 @@ def write_indexed(tokenized, output_prefix: str, vocab_size: int) -> tuple[int, 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_mcore.data.preprocess",
-        description="Tokenize text/jsonl/parquet files into an mcore indexed dataset (PREFIX.bin/.idx).",
+        description="Tokenize text/jsonl/parquet files into mcore indexed PREFIX.bin/.idx files.",
     )
     parser.add_argument("--input", nargs="+", required=True, help="files or globs")
     parser.add_argument("--tokenizer", required=True, help="HF tokenizer directory")

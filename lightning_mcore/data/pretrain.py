@@ -26,8 +26,9 @@ def _layout(trainer: Any) -> tuple[int, int, int]:
     batch_size = getattr(strategy, "data_parallel_batch_size", None)
     if batch_size is None:
         raise TypeError(
-            f"PretrainDataModule needs lightning_mcore.MegatronStrategy, got {type(strategy).__name__}: "
-            "it reads the per-rank batch size from strategy.data_parallel_batch_size"
+            "PretrainDataModule needs lightning_mcore.MegatronStrategy, got "
+            f"{type(strategy).__name__}: it reads the per-rank batch size from "
+            "strategy.data_parallel_batch_size"
         )
     kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1)), int(batch_size)
@@ -100,7 +101,7 @@ class _SeatedLoader(DataLoader):
         return super().__iter__()
 
     def state_dict(self) -> dict[str, int]:
-        """Marks the loader resumable for Lightning; the position comes back with the trainer step."""
+        """Marks the loader resumable for Lightning; the position returns with the trainer step."""
         return {"consumed_samples": self._position()}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
@@ -145,7 +146,9 @@ class PretrainDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         if (paths is None) == (indexed_prefixes is None):
-            raise ValueError("give exactly one of paths (text files) or indexed_prefixes (mcore .bin/.idx)")
+            raise ValueError(
+                "give exactly one of paths (text files) or indexed_prefixes (mcore .bin/.idx)"
+            )
         if not tokenizer:
             raise ValueError("tokenizer is required: a path to an HF tokenizer directory")
         if not isinstance(seq_length, int) or seq_length < 1:
@@ -195,8 +198,13 @@ class PretrainDataModule(L.LightningDataModule):
 
             hp = self.hparams
             self.train_dataset, self.val_dataset = build_indexed_datasets(
-                self.indexed_prefixes, self.tokenizer, hp.tokenizer, hp.seq_length, hp.seed,
-                hp.val_split, hp.cache_dir,
+                self.indexed_prefixes,
+                self.tokenizer,
+                hp.tokenizer,
+                hp.seq_length,
+                hp.seed,
+                hp.val_split,
+                hp.cache_dir,
             )
             return
         packed = PackedSequences(self._tokenize(), self.hparams.seq_length)
@@ -217,7 +225,9 @@ class PretrainDataModule(L.LightningDataModule):
             )
         if num_val == 0:
             return packed, None
-        order = torch.randperm(len(packed), generator=torch.Generator().manual_seed(self.hparams.seed))
+        order = torch.randperm(
+            len(packed), generator=torch.Generator().manual_seed(self.hparams.seed)
+        )
         val, train = order[:num_val].sort().values, order[num_val:].sort().values
         return Subset(packed, train.tolist()), Subset(packed, val.tolist())
 
@@ -233,14 +243,25 @@ class PretrainDataModule(L.LightningDataModule):
         rank, dp_size, batch_size = _layout(self.trainer)
         try:
             sampler = DataParallelSampler(
-                len(dataset), batch_size, rank, dp_size, shuffle=shuffle, seed=self.hparams.seed,
+                len(dataset),
+                batch_size,
+                rank,
+                dp_size,
+                shuffle=shuffle,
+                seed=self.hparams.seed,
                 consumed_samples=position(),
             )
         except ValueError as err:
-            raise ValueError(f"{split} data of seq_length={self.hparams.seq_length}: {err}") from None
+            raise ValueError(
+                f"{split} data of seq_length={self.hparams.seq_length}: {err}"
+            ) from None
         return _SeatedLoader(
-            dataset, batch_size=batch_size, sampler=sampler, num_workers=self.hparams.num_workers,
-            pin_memory=torch.cuda.is_available(), position=position,
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=self.hparams.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            position=position,
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -259,7 +280,10 @@ class PretrainDataModule(L.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         if self.trainer is None:
             return {"consumed_samples": self._resume[0], "global_step": self._resume[1]}
-        return {"consumed_samples": self._consumed_samples(), "global_step": self.trainer.global_step}
+        return {
+            "consumed_samples": self._consumed_samples(),
+            "global_step": self.trainer.global_step,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume = (int(state_dict["consumed_samples"]), int(state_dict.get("global_step", 0)))

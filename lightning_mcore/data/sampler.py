@@ -54,7 +54,8 @@ class DataParallelSampler(DistributedSampler):
         if self.epoch_samples == 0:
             raise ValueError(
                 f"{self.total_samples} samples cannot fill one global batch of "
-                f"{self.global_batch_size} (batch_size={self.batch_size} x dp_size={self.num_replicas})"
+                f"{self.global_batch_size} (batch_size={self.batch_size} "
+                f"x dp_size={self.num_replicas})"
             )
         self.consumed_samples = int(consumed_samples)
 
