@@ -187,11 +187,12 @@ def main() -> None:
     ap.add_argument("--gbs", type=int, default=8, help="global batch (sequences per step)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = GPTConfig(**SHAPES[args.shape], seq_length=args.seq, transformer_impl="transformer_engine")
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1 and not args.no_sp,
                               use_distributed_optimizer=True, overlap_grad_reduce=True)
     dp = world // args.tp
     loader = DataLoader(RandomTokens(args.gbs * (args.steps + 2), args.seq, cfg.vocab_size),
@@ -205,7 +206,7 @@ def main() -> None:
         mfu = tokens_per_gpu * flops_per_token(cfg, args.seq) / (PEAK_BF16_TFLOPS * 1e12)
         print("RESULT " + json.dumps({
             "impl": args.impl, "shape": args.shape, "gpus": world, "tp": args.tp, "seq": args.seq,
-            "mbs": args.mbs, "gbs": args.gbs, "timed_steps": len(timed), "step_s": round(step, 4),
+            "sp": parallel.sequence_parallel, "mbs": args.mbs, "gbs": args.gbs, "timed_steps": len(timed), "step_s": round(step, 4),
             "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(mfu, 4),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,

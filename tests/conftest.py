@@ -1,11 +1,15 @@
 import os
 
-import pytest
-import torch
-
-# Several gloo ranks share 2 cores: one intra-op thread each avoids oversubscription.
-torch.set_num_threads(1)
+# Ranks are forked from this process. An OpenMP pool with >1 thread in the parent deadlocks
+# forked children (seen in torch.zeros), and Lightning raises the thread count unless
+# OMP_NUM_THREADS is set; one thread per rank also suits 2 cores.
+os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

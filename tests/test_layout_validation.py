@@ -72,13 +72,22 @@ def test_good_layout_passes():
                                       sequence_parallel=True), BatchConfig(8, 2), tiny_config())
 
 
-def test_trainer_refuses_before_process_group_exists():
-    """Through the real Trainer: TE asked for on CPU fails before torch.distributed starts."""
+def test_trainer_refuses_layout_when_built():
+    """Through the real Trainer: a bad layout fails at Trainer(...), in the main process."""
     strategy = MegatronStrategy(tensor_model_parallel_size=2, global_batch_size=4, start_method="fork")
+    with pytest.raises(LayoutError, match="world size 3 is not divisible"):
+        L.Trainer(accelerator="cpu", devices=3, strategy=strategy, logger=False)
+    assert not dist.is_initialized()
+
+
+def test_trainer_refuses_model_shape_before_process_group(tmp_path):
+    """Model-shape checks run in setup_environment, before torch.distributed starts."""
+    strategy = MegatronStrategy(pipeline_model_parallel_size=1, global_batch_size=4)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False)
-    module = PretrainModule(tiny_config())
-    with pytest.raises(LayoutError, match="world size 1 is not divisible"):
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path)
+    module = PretrainModule(tiny_config(transformer_impl="transformer_engine"))
+    with pytest.raises(LayoutError, match="Transformer Engine layers need a CUDA GPU"):
         trainer.fit(module, [])
     assert not dist.is_initialized()
     assert module.chunks is None  # no model was built

@@ -11,7 +11,7 @@ What mcore (0.16.1) assumes, and what we do about it:
    strategy enters around each mcore call it makes (`cuda_on_cpu()`).
 4. Optimizers check `param.type() == 'torch.cuda.FloatTensor'`: the mode answers the CUDA
    type name for CPU tensors, so the fp32 paths are taken.
-5. The RNG tracker keeps CUDA generator states: `seed_model_parallel` uses mcore's CPU-safe
+5. The RNG tracker keeps CUDA generator states: the strategy seeds mcore's CPU-safe
    inference tracker (dropout then draws from the default generator).
 Torch function modes are not active inside autograd's backward; none of the above is needed
 there (checked by tests/test_cpu_compat.py).
@@ -85,16 +85,3 @@ class CpuCompat:
         for name, fn in self._saved.items():
             setattr(torch.cuda, name, fn)
         self._saved.clear()
-
-
-def seed_model_parallel(seed: int, on_cpu: bool) -> None:
-    """mcore's per-TP/EP-rank RNG streams; on CPU through the tracker that keeps no CUDA state."""
-    from megatron.core import tensor_parallel
-
-    torch.manual_seed(seed)
-    if on_cpu:
-        tensor_parallel.model_parallel_cuda_manual_seed(
-            seed, inference_rng_tracker=True, force_reset_rng=True
-        )
-    else:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

@@ -23,7 +23,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu, seed_model_parallel
+from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.optimizer import (
     MegatronOptimizer,
     OptimizerSettings,
@@ -124,7 +124,14 @@ class MegatronStrategy(DDPStrategy):
             use_te=model_config.uses_te("cpu" if self.on_cpu else "gpu") if model_config else False,
         )
 
+    def _configure_launcher(self) -> None:
+        # Lightning calls this when the Trainer is built: the earliest point at which the world
+        # size is known. Layout and batch mistakes fail here, in the main process.
+        self.validate()
+        super()._configure_launcher()
+
     def setup_environment(self) -> None:
+        # Checks that need the model's shape; still before any process group exists.
         self.validate(getattr(self.lightning_module, "model_config", None))
         trainer = self.lightning_module.trainer
         if trainer is not None and trainer.checkpoint_callbacks:
@@ -148,7 +155,20 @@ class MegatronStrategy(DDPStrategy):
             expert_model_parallel_size=p.expert_model_parallel_size,
             expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         )
-        seed_model_parallel(self.seed, self.on_cpu)
+        self._seed_rng()
+
+    def _seed_rng(self) -> None:
+        """Megatron's seeding: one stream per pipeline stage, plus mcore's per-TP/EP streams
+        for dropout inside sharded regions. (Initial weights use their own per-tensor seeds.)"""
+        from megatron.core import parallel_state, tensor_parallel
+
+        seed = self.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+        torch.manual_seed(seed)
+        # On CPU, mcore's inference tracker keeps no CUDA generator state; dropout then draws
+        # from the default generator.
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, inference_rng_tracker=self.on_cpu, force_reset_rng=True
+        )
 
     @property
     def data_parallel_size(self) -> int:
