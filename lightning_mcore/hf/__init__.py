@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints: config translation and weight mapping."""
