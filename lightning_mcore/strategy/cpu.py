@@ -13,6 +13,14 @@ What mcore (0.16.1) assumes, and what we do about it:
    type name for CPU tensors, so the fp32 paths are taken.
 5. The RNG tracker keeps CUDA generator states: the strategy seeds mcore's CPU-safe
    inference tracker (dropout then draws from the default generator).
+MoE (local spec, SequentialMLP experts), patched in mcore's modules while installed:
+6. The alltoall dispatcher copies split sizes device-to-host on a CUDA side stream
+   (`torch.cuda.Stream()` at construction, `torch.cuda.stream`/events per step) and turns them
+   into numpy only for CUDA tensors: a CPU step does the numpy conversion without streams.
+7. The router's gating GEMM tests `te_general_gemm`, a name only defined when Transformer
+   Engine imports (NameError without it): defined as None, so the torch.mm path runs.
+8. Uneven all-gathers (tokens per rank, alltoall dispatcher with TP) use `dist.all_gather`
+   with unequal sizes, which gloo refuses: pad to the longest, gather, trim.
 Torch function modes are not active inside autograd's backward; none of the above is needed
 there (checked by tests/test_cpu_compat.py).
 """
@@ -64,24 +72,75 @@ def cuda_on_cpu() -> Iterator[None]:
         yield
 
 
+def _moe_dtoh_on_cpu(self, point, tokens_per_expert=None):
+    """MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize without CUDA streams (6)."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name, None)
+            if torch.is_tensor(value):  # gloo's all_to_all_single takes lists/arrays, not tensors
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _padded_uneven_gather(original):
+    """mappings._gather_along_first_dim for gloo: unequal pieces padded to the longest (8)."""
+
+    def gather(input_, group, output_split_sizes=None, *args, **kwargs):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, *args, **kwargs)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)])
+
+    return gather
+
+
+_ABSENT = object()
+
+
 class CpuCompat:
-    """Installs and removes the process-wide part (torch.cuda functions) around a run."""
+    """Installs and removes the process-wide part (torch.cuda functions, mcore MoE helpers)."""
 
     def __init__(self) -> None:
-        self._saved: dict[str, object] = {}
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _replace(self, owner, name: str, value) -> None:
+        self._saved.append((owner, name, vars(owner).get(name, _ABSENT)))
+        setattr(owner, name, value)
 
     def install(self) -> None:
         if self._saved:
             return
-        replacements = {
-            "current_device": lambda: _CPU,
-            "synchronize": lambda *a, **k: None,
-        }
-        for name, fn in replacements.items():
-            self._saved[name] = getattr(torch.cuda, name)
-            setattr(torch.cuda, name, fn)
+        # (1) mcore passes torch.cuda.current_device() as device=
+        self._replace(torch.cuda, "current_device", lambda: _CPU)
+        # (2) mcore calls torch.cuda.synchronize() in p2p and DDP
+        self._replace(torch.cuda, "synchronize", lambda *a, **k: None)
+        self._install_moe()
+
+    def _install_moe(self) -> None:
+        from megatron.core.tensor_parallel import mappings
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+        dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+        if hasattr(dispatcher, "_maybe_dtoh_and_synchronize"):
+            # (6) the alltoall dispatcher copies split sizes to host on a torch.cuda.Stream
+            if getattr(dispatcher, "cuda_dtoh_stream", _ABSENT) is None:
+                self._replace(dispatcher, "cuda_dtoh_stream", "no CUDA stream on CPU")
+            self._replace(dispatcher, "_maybe_dtoh_and_synchronize", _moe_dtoh_on_cpu)
+        if not hasattr(moe_utils, "te_general_gemm"):
+            # (7) the router GEMM reads te_general_gemm, defined only when TE imports
+            self._replace(moe_utils, "te_general_gemm", None)
+        # (8) uneven all-gathers use dist.all_gather with unequal sizes (NCCL only, not gloo)
+        gather = _padded_uneven_gather(mappings._gather_along_first_dim)
+        self._replace(mappings, "_gather_along_first_dim", gather)
 
     def uninstall(self) -> None:
-        for name, fn in self._saved.items():
-            setattr(torch.cuda, name, fn)
+        for owner, name, value in reversed(self._saved):
+            if value is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         self._saved.clear()
