@@ -6,8 +6,10 @@ An objective only says how one microbatch goes through a model chunk and what it
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import lightning as L
 import torch
@@ -17,11 +19,33 @@ from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
 class MegatronModule(L.LightningModule):
-    def __init__(self, model: GPTConfig, optim: Optional[OptimizerSettings] = None) -> None:
+    """`model` is a GPTConfig (train from scratch) or the path of a Hugging Face checkpoint
+    directory (its config.json gives the architecture, its safetensors the weights);
+    `model_overrides` changes config fields of a checkpoint (e.g. seq_length)."""
+
+    def __init__(
+        self,
+        model: Union[GPTConfig, str],
+        optim: Optional[OptimizerSettings] = None,
+        model_overrides: Optional[dict] = None,
+    ) -> None:
         super().__init__()
-        if not isinstance(model, GPTConfig):
-            raise TypeError(f"model must be a GPTConfig, got {type(model).__name__}.")
-        self.model_config = model
+        if isinstance(model, (str, os.PathLike)):
+            from lightning_mcore.hf.config import gpt_config_from_hf
+
+            self.hf_path: Optional[str] = str(model)
+            self.model_config, self.hf_family = gpt_config_from_hf(model, **(model_overrides or {}))
+        elif isinstance(model, GPTConfig):
+            from lightning_mcore.hf.mappings import family_of
+
+            if model_overrides:
+                model = dataclasses.replace(model, **model_overrides)
+            self.hf_path, self.model_config, self.hf_family = None, model, family_of(model)
+        else:
+            raise TypeError(
+                f"model must be a GPTConfig or a Hugging Face checkpoint directory, got "
+                f"{type(model).__name__}."
+            )
         self.optim = optim or OptimizerSettings()
         self.chunks: Optional[torch.nn.ModuleList] = None
         self._step_started: Optional[float] = None
@@ -39,7 +63,17 @@ class MegatronModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.chunks is None:
-            self.chunks = torch.nn.ModuleList(self._strategy().build_gpt(self.model_config))
+            chunks = self._strategy().build_gpt(self.model_config, self.hf_path, self.hf_family)
+            self.chunks = torch.nn.ModuleList(chunks)
+
+    def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30):
+        """Write the model as a Hugging Face directory (collective: call on every rank)."""
+        from lightning_mcore.hf.export import export_hf
+
+        strategy = self._strategy()
+        padded = self.model_config.padded_vocab_size(strategy.parallel.tensor_model_parallel_size)
+        return export_hf(list(self.chunks), self.model_config, self.hf_family, directory, padded,
+                         source_dir=self.hf_path, max_shard_bytes=max_shard_bytes)
 
     def configure_optimizers(self):
         return self._strategy().megatron_optimizer(self.optim)
@@ -56,6 +90,10 @@ class MegatronModule(L.LightningModule):
         )
         self.log("loss", metrics["loss"], prog_bar=True, logger=False, batch_size=1)
         return metrics["loss"]
+
+    def predict_step(self, batch: dict, batch_idx: int):
+        """Full-vocabulary logits [batch, seq, vocab] of batch["tokens"] (on every rank)."""
+        return self._strategy().forward_logits(batch["tokens"], batch.get("position_ids"))
 
     def validation_step(self, batch: dict, batch_idx: int):
         metrics = self._strategy().forward_backward(batch, self.forward_step, forward_only=True)

@@ -208,8 +208,9 @@ class MegatronStrategy(DDPStrategy):
             model_config, self.parallel, self.dtype, self.on_cpu, use_te, self.batch.micro_batch_size
         )
 
-    def build_gpt(self, model_config) -> list:
-        """This rank's GPTModel chunks, with weights that do not depend on the layout."""
+    def build_gpt(self, model_config, hf_path=None, hf_family: Optional[str] = None) -> list:
+        """This rank's GPTModel chunks: weights read from an HF checkpoint (only this rank's
+        slices), or drawn so that they do not depend on the parallel layout."""
         from lightning_mcore.model.build import build_chunks
         from lightning_mcore.model.init import init_layout_invariant
 
@@ -219,8 +220,64 @@ class MegatronStrategy(DDPStrategy):
             chunks = build_chunks(model_config, self._tf_config, use_te)
             for chunk in chunks:
                 chunk.to(self.root_device)
-            init_layout_invariant(chunks, model_config, self.seed)
+            if hf_path is None:
+                init_layout_invariant(chunks, model_config, self.seed)
+            else:
+                from lightning_mcore.hf.load import load_hf_weights
+
+                padded = model_config.padded_vocab_size(self.parallel.tensor_model_parallel_size)
+                load_hf_weights(chunks, hf_path, model_config, hf_family, padded)
         return chunks
+
+    @torch.no_grad()
+    def forward_logits(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+        """Full-vocabulary logits [batch, seq, vocab] for `tokens`, on every rank.
+
+        Runs mcore's forward-only schedule one row per microbatch, gathers the vocab-parallel
+        logits over tensor-parallel ranks and shares them from the last pipeline stage.
+        """
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        tokens = tokens.to(self.root_device)
+        rows, seq = tokens.shape
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=self.root_device).expand(rows, seq)
+        micro = [{"tokens": tokens[i : i + 1], "position_ids": position_ids[i : i + 1]} for i in range(rows)]
+        chunks = list(self.lightning_module.chunks)
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
+
+            def collect(output, non_loss_data=True):
+                return tensor_parallel.gather_from_tensor_model_parallel_region(output).float()
+
+            return out, collect
+
+        with self.mcore_context():
+            data = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
+                model=chunks,
+                num_microbatches=rows,
+                seq_length=seq,
+                micro_batch_size=1,
+                forward_only=True,
+                collect_non_loss_data=True,
+            )
+        vocab = self.lightning_module.model_config.vocab_size
+        if self.is_last_pipeline_stage:
+            logits = torch.cat(list(data))[..., :vocab].contiguous()
+        else:
+            logits = torch.empty(rows, seq, vocab, device=self.root_device)
+        if self.parallel.pipeline_model_parallel_size > 1:
+            dist.broadcast(
+                logits,
+                src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return logits
 
     def model_to_device(self) -> None:
         pass  # chunks are built on their device

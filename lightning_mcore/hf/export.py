@@ -1,0 +1,199 @@
+"""Write the sharded mcore model as a Hugging Face checkpoint directory.
+
+Collective: every rank calls it. Tensors travel one at a time in a fixed global order (by
+layer): the owning tensor-parallel group all-gathers its shards, its rank 0 rebuilds the HF
+tensors and sends them to global rank 0, which writes a safetensors shard whenever
+`max_shard_bytes` are buffered. Peak host memory on rank 0 is about one shard. The directory is
+written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from lightning_mcore.hf.load import chunk_parameters, dims_of, parallel_ranks
+from lightning_mcore.hf.mappings import mapping, shape_symbols
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _items(chunks, cfg, family):
+    """This rank's (order key, param, entry, layer, expert), for the tensors its group owns."""
+    from megatron.core import parallel_state as ps
+
+    ranks = parallel_ranks()
+    entries = mapping(family, cfg.tie_word_embeddings)
+    dense_owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_owner = ps.get_expert_data_parallel_rank() == 0
+    position = {e.mcore: i for i, e in enumerate(entries)}
+    out = []
+    for chunk in chunks:
+        for param, entry, layer, expert in chunk_parameters(chunk, entries, cfg, ranks["ep"]):
+            if not entry.export or not (expert_owner if entry.expert else dense_owner):
+                continue
+            stage = 0 if entry.mcore.startswith("embedding") else 2 if layer is None else 1
+            key = (stage, -1 if layer is None else layer, position[entry.mcore], expert or 0)
+            out.append((key, param, entry, layer, expert))
+    return sorted(out, key=lambda item: item[0])
+
+
+def _gather(param: torch.Tensor, expert: bool) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [param.detach()]
+    shards = [torch.empty_like(param) for _ in range(size)]
+    dist.all_gather(shards, param.detach().contiguous(), group=group)
+    return shards
+
+
+class _ShardWriter:
+    """Buffers tensors on rank 0 and writes a safetensors file each time the buffer is full."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory, self.max_bytes = directory, max_bytes
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.files: list[tuple[str, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.buffer[name] = tensor.detach().to("cpu").contiguous()
+        if sum(t.numel() * t.element_size() for t in self.buffer.values()) >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        name = f"part-{len(self.files):05d}.safetensors"
+        save_file(self.buffer, str(self.directory / name), metadata={"format": "pt"})
+        self.files.append((name, list(self.buffer)))
+        self.buffer = {}
+
+    def finish(self) -> None:
+        self.flush()
+        total = len(self.files)
+        if total == 1:
+            os.replace(self.directory / self.files[0][0], self.directory / "model.safetensors")
+            return
+        weight_map, size = {}, 0
+        for i, (tmp, names) in enumerate(self.files, start=1):
+            final = f"model-{i:05d}-of-{total:05d}.safetensors"
+            os.replace(self.directory / tmp, self.directory / final)
+            size += (self.directory / final).stat().st_size
+            weight_map.update({n: final for n in names})
+        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def export_hf(
+    chunks,
+    cfg,
+    family: str,
+    out_dir,
+    padded_vocab: int,
+    source_dir: Optional[os.PathLike] = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Optional[Path]:
+    """Write an HF directory at `out_dir` (config, weights, tokenizer); returns it on rank 0."""
+    out_dir = Path(out_dir)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    items = _items(chunks, cfg, family)
+    dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
+
+    # Who sends what: (key, source rank, HF names) from every rank's owned items.
+    mine = [(key, entry.hf_names(layer, expert), str(param.dtype).removeprefix("torch."))
+            for key, param, entry, layer, expert in items if _is_sender(entry.expert)]
+    everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, mine)
+    plan = sorted((key, src, names, dt) for src, lst in enumerate(everyone) for key, names, dt in lst)
+
+    tmp = None
+    if rank == 0:
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        writer = _ShardWriter(tmp, max_shard_bytes)
+    own = iter(items)
+    device = items[0][1].device if items else torch.device("cpu")
+    for key, src, names, dt in (plan if rank == 0 else [(k, rank, None, None) for k, *_ in items]):
+        if src == rank:
+            key_own, param, entry, layer, expert = next(own)
+            tensors = entry.transform.save(_gather(param, entry.expert), entry.hf_names(layer, expert), dims)
+            if not _is_sender(entry.expert):
+                continue
+            for name, tensor in tensors.items():
+                if rank == 0:
+                    writer.add(name, tensor)
+                else:
+                    dist.send(tensor.contiguous(), dst=0)
+        else:  # rank 0 receives another group's tensors, in the sender's order
+            for name in names:
+                shape = _shape_of(name, cfg, family, symbols)
+                buf = torch.empty(shape, dtype=getattr(torch, dt), device=device)
+                dist.recv(buf, src=src)
+                writer.add(name, buf)
+    if rank == 0:
+        writer.finish()
+        _write_metadata(tmp, cfg, family, source_dir, items[0][1].dtype)
+        _replace_dir(tmp, out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir if rank == 0 else None
+
+
+def _is_sender(expert: bool) -> bool:
+    """Rank 0 of the (expert-)tensor-parallel group sends what the group gathered."""
+    ranks = parallel_ranks()
+    return (ranks["etp"] if expert else ranks["tp"])[0] == 0
+
+
+def _shape_of(name: str, cfg, family: str, symbols) -> tuple:
+    import re
+
+    for entry in mapping(family, cfg.tie_word_embeddings):
+        for hf, shape in zip(entry.hf, entry.shapes):
+            pattern = re.escape(hf).replace(r"\{L\}", r"\d+").replace(r"\{E\}", r"\d+") + "$"
+            if re.match(pattern, name):
+                return tuple(symbols[s] for s in shape)
+    raise KeyError(name)
+
+
+def _write_metadata(directory: Path, cfg, family: str, source_dir, dtype: torch.dtype) -> None:
+    from lightning_mcore.hf.config import hf_config_dict_from_gpt
+
+    source = Path(source_dir) if source_dir else None
+    if source and (source / "config.json").is_file():
+        config = json.loads((source / "config.json").read_text())
+    else:
+        config = hf_config_dict_from_gpt(cfg, family)
+    config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = _DTYPE_NAMES[dtype]
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if source:
+        for name in ("generation_config.json",) + TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, directory / name)
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Swap the finished directory into place; an existing one is removed only afterwards."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old)

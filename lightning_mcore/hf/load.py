@@ -1,0 +1,99 @@
+"""Load a Hugging Face checkpoint into this rank's mcore chunks, reading only its own slices."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from lightning_mcore.hf.checkpoint import CheckpointError, SafetensorsReader
+from lightning_mcore.hf.mappings import Entry, local_name, mapping, shape_symbols
+from lightning_mcore.hf.transforms import Dims
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def dims_of(cfg, padded_vocab: int) -> Dims:
+    return Dims(
+        num_heads=cfg.num_attention_heads,
+        num_groups=cfg.num_query_groups or cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        vocab=cfg.vocab_size,
+        padded_vocab=padded_vocab,
+    )
+
+
+def unwrap(chunk):
+    """The GPTModel inside an mcore DDP wrapper (or the chunk itself)."""
+    return getattr(chunk, "module", chunk)
+
+
+def parallel_ranks() -> dict[str, tuple[int, int]]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+        "etp": (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()),
+        "ep": (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()),
+    }
+
+
+def chunk_parameters(chunk, entries: list[Entry], cfg, ep: tuple[int, int]):
+    """(mcore param, entry, global layer, global expert) for every parameter of one chunk."""
+    model = unwrap(chunk)
+    layers = [layer.layer_number - 1 for layer in model.decoder.layers] if hasattr(model, "decoder") else []
+    per_rank = (cfg.num_moe_experts or 0) // ep[1]
+    compiled = [(e.pattern(), e) for e in entries]
+    for name, param in model.named_parameters():
+        key = local_name(name)
+        for pattern, entry in compiled:
+            match = pattern.match(key)
+            if match:
+                groups = match.groupdict()
+                layer = layers[int(groups["L"])] if "L" in groups else None
+                expert = ep[0] * per_rank + int(groups["E"]) if "E" in groups else None
+                yield param, entry, layer, expert
+                break
+        else:
+            raise CheckpointError(f"mcore parameter {name!r} has no Hugging Face counterpart.")
+
+
+def _check(reader: SafetensorsReader, names, entry: Entry, symbols, dtype) -> None:
+    for name, shape in zip(names, entry.shapes):
+        want = tuple(symbols[s] for s in shape)
+        got = reader.shape(name)
+        if got != want:
+            raise CheckpointError(
+                f"{name} in {reader.files[name].name} has shape {list(got)}, but config.json "
+                f"implies {list(want)} ({' x '.join(shape)}). The checkpoint and its config disagree."
+            )
+        if dtype and reader.dtype(name) != dtype:
+            raise CheckpointError(
+                f"{name} in {reader.files[name].name} is {reader.dtype(name)}, but config.json "
+                f"says dtype {dtype}."
+            )
+
+
+@torch.no_grad()
+def load_hf_weights(chunks, directory, cfg, family: str, padded_vocab: int) -> None:
+    """Fill `chunks` (this rank's mcore models) from the HF checkpoint in `directory`."""
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text())
+    dtype = _SAFETENSORS_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
+    ranks = parallel_ranks()
+    entries = mapping(family, cfg.tie_word_embeddings)
+    dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
+    with SafetensorsReader(directory) as reader:
+        for chunk in chunks:
+            for param, entry, layer, expert in chunk_parameters(chunk, entries, cfg, ranks["ep"]):
+                names = entry.hf_names(layer, expert)
+                _check(reader, names, entry, symbols, dtype)
+                rank, size = ranks["etp"] if entry.expert else ranks["tp"]
+                shard = entry.transform.load(reader, names, rank, size, dims)
+                if tuple(shard.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"{', '.join(names)} give a shard of shape {list(shard.shape)} for mcore "
+                        f"{entry.mcore} of shape {list(param.shape)}."
+                    )
+                param.copy_(shard)

@@ -1,0 +1,160 @@
+"""How one mcore parameter is made from Hugging Face tensors, and back, under tensor parallelism.
+
+Each transform states which dimension is sharded over tensor-parallel ranks and provides:
+  `load(reader, names, rank, size, dims)`  this rank's shard, reading only the rows it needs
+  `save(shards, names, dims)`              the full HF tensors from every rank's shard
+`reader.get(name, dim, start, stop)` returns rows [start, stop) of an HF tensor along `dim`
+(no bounds = the whole tensor); `reader.shape(name)` its full shape. The pure merge/split
+helpers below are what the transforms are built from, and what the unit tests check.
+
+Fused QKV (mcore) is interleaved per query group; tensor parallelism splits whole groups:
+
+    groups g0 g1 | g2 g3        rank 0: [q(g0) k(g0) v(g0) q(g1) k(g1) v(g1)]
+    q(g) = heads_per_group x head_dim rows, k(g) = v(g) = head_dim rows
+
+Fused SwiGLU fc1 holds [gate_i; up_i] on tensor-parallel rank i (not [gate; up] sliced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+
+class Reader(Protocol):
+    def get(self, name: str, dim: int = 0, start: Optional[int] = None,
+            stop: Optional[int] = None) -> torch.Tensor: ...
+
+    def shape(self, name: str) -> tuple: ...
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes transforms need; `vocab` is the real vocab, `padded_vocab` the mcore one."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    vocab: int
+    padded_vocab: int
+
+
+# ---------------------------------------------------------------- pure helpers
+def qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """HF q/k/v (weights [rows, h] or biases [rows]) -> mcore's per-group interleaved QKV."""
+    rest = q.shape[1:]
+    q = q.reshape(num_groups, -1, *rest)
+    k = k.reshape(num_groups, -1, *rest)
+    v = v.reshape(num_groups, -1, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def qkv_split(fused: torch.Tensor, num_groups: int, head_dim: int):
+    """Inverse of qkv_merge: -> (q, k, v)."""
+    rest = fused.shape[1:]
+    per_group = fused.reshape(num_groups, -1, *rest)
+    q_rows = per_group.shape[1] - 2 * head_dim
+    q, k, v = torch.split(per_group, [q_rows, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def gate_up_shard(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """mcore fc1 shard of rank `rank`: [gate_rank; up_rank]."""
+    return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]], dim=0)
+
+
+def gate_up_unshard(shards: Sequence[torch.Tensor]):
+    """All ranks' fc1 shards -> (gate, up)."""
+    halves = [s.chunk(2) for s in shards]
+    return torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+
+
+# ---------------------------------------------------------------- transforms
+class Transform:
+    tp_dim: Optional[int] = None  # dimension split over tensor-parallel ranks; None: replicated
+
+    def load(self, reader: Reader, names: Sequence[str], rank: int, size: int, dims: Dims) -> torch.Tensor:
+        raise NotImplementedError
+
+    def save(self, shards: Sequence[torch.Tensor], names: Sequence[str], dims: Dims) -> dict:
+        raise NotImplementedError
+
+
+class Replicated(Transform):
+    """Same tensor on every rank (norms, router)."""
+
+    def load(self, reader, names, rank, size, dims):
+        return reader.get(names[0])
+
+    def save(self, shards, names, dims):
+        return {names[0]: shards[0]}
+
+
+class Split(Transform):
+    """Contiguous slice along `dim`: 0 for column-parallel, 1 for row-parallel linears."""
+
+    def __init__(self, dim: int) -> None:
+        self.tp_dim = dim
+
+    def load(self, reader, names, rank, size, dims):
+        step = reader.shape(names[0])[self.tp_dim] // size
+        return reader.get(names[0], self.tp_dim, rank * step, (rank + 1) * step)
+
+    def save(self, shards, names, dims):
+        return {names[0]: torch.cat(list(shards), dim=self.tp_dim)}
+
+    def __repr__(self) -> str:
+        return f"Split({self.tp_dim})"
+
+
+class Vocab(Transform):
+    """Embedding / output rows, split over ranks after padding the vocab with zero rows."""
+
+    tp_dim = 0
+
+    def load(self, reader, names, rank, size, dims):
+        step = dims.padded_vocab // size
+        start, stop = rank * step, (rank + 1) * step
+        rows = reader.get(names[0], 0, min(start, dims.vocab), min(stop, dims.vocab))
+        pad = step - rows.shape[0]
+        return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]) if pad else rows
+
+    def save(self, shards, names, dims):
+        return {names[0]: torch.cat(list(shards), dim=0)[: dims.vocab]}
+
+
+class QKV(Transform):
+    """q_proj, k_proj, v_proj (weights or biases) <-> linear_qkv, split by query groups."""
+
+    tp_dim = 0
+
+    def load(self, reader, names, rank, size, dims):
+        g = dims.num_groups // size
+        q_rows = dims.num_heads // dims.num_groups * dims.head_dim
+        g0 = rank * g
+        q = reader.get(names[0], 0, g0 * q_rows, (g0 + g) * q_rows)
+        k = reader.get(names[1], 0, g0 * dims.head_dim, (g0 + g) * dims.head_dim)
+        v = reader.get(names[2], 0, g0 * dims.head_dim, (g0 + g) * dims.head_dim)
+        return qkv_merge(q, k, v, g)
+
+    def save(self, shards, names, dims):
+        q, k, v = qkv_split(torch.cat(list(shards)), dims.num_groups, dims.head_dim)
+        return dict(zip(names, (q, k, v)))
+
+
+class GateUp(Transform):
+    """gate_proj, up_proj <-> linear_fc1 ([gate_i; up_i] on rank i)."""
+
+    tp_dim = 0
+
+    def load(self, reader, names, rank, size, dims):
+        rows = reader.shape(names[0])[0] // size
+        gate = reader.get(names[0], 0, rank * rows, (rank + 1) * rows)
+        up = reader.get(names[1], 0, rank * rows, (rank + 1) * rows)
+        return torch.cat([gate, up])
+
+    def save(self, shards, names, dims):
+        gate, up = gate_up_unshard(shards)
+        return {names[0]: gate, names[1]: up}
