@@ -62,19 +62,32 @@ class RandomTokens(Dataset):
 
 
 class StepTimer:
-    """Wall time of each optimizer step, CUDA-synchronised."""
+    """Wall time of each optimizer step, CUDA-synchronised; optionally profiles steps 10-12."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile: bool = False) -> None:
         self.times: list[float] = []
         self._t = 0.0
+        self.profile = profile
+        self._prof = None
 
     def start(self) -> None:
         torch.cuda.synchronize()
+        if self.profile and len(self.times) == 10:
+            self._prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            self._prof.__enter__()
         self._t = time.perf_counter()
 
     def stop(self) -> None:
         torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t)
+        if self._prof is not None and len(self.times) == 13:
+            self._prof.__exit__(None, None, None)
+            if int(os.environ.get("RANK", 0)) == 0:
+                ka = self._prof.key_averages()
+                print(ka.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+                print(ka.table(sort_by="self_device_time_total", row_limit=8), flush=True)
+            self._prof = None
 
 
 def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer:
@@ -129,7 +142,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
 
         return out, loss_fn
 
-    timer = StepTimer()
+    timer = StepTimer(args.profile)
     steps = 0
     for batch in loader:
         if steps == args.steps:
@@ -153,7 +166,7 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
 
     from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
 
-    timer = StepTimer()
+    timer = StepTimer(args.profile)
 
     class Timing(L.Callback):
         def on_train_batch_start(self, *a):
@@ -188,6 +201,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of steps 10-12")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
