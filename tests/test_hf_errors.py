@@ -143,6 +143,7 @@ def test_tensor_shape_not_matching_the_config_names_tensor_file_and_config(tmp_p
     assert file == index[tensor]
     got, want = found.groups()[2:4], found.groups()[4:6]
     assert "96" in got and "80" in want and "64" in got and "64" in want
+    assert "intermediate_size" in message  # the config field to look at
 
 
 @pytest.mark.distributed

@@ -35,7 +35,8 @@ def test_heads_not_divisible_by_tp():
 
 
 def test_query_groups_not_divisible_by_tp():
-    refuse(r"num_query_groups \(2, the key/value heads\) is not divisible by tensor_model_parallel_size \(4\)",
+    refuse(r"num_query_groups \(2, the key/value heads; num_key_value_heads .*\) is not divisible by "
+           r"tensor_model_parallel_size \(4\)",
            tensor_model_parallel_size=4)
 
 

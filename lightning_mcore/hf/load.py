@@ -12,6 +12,10 @@ from lightning_mcore.hf.mappings import Entry, local_name, mapping, shape_symbol
 from lightning_mcore.hf.transforms import Dims
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+# The config.json fields behind the shape symbols of the mapping tables.
+_FIELDS = {"h": "hidden_size", "q": "num_attention_heads*head_dim", "kv": "num_key_value_heads*head_dim",
+           "d": "head_dim", "f": "intermediate_size", "mf": "moe_intermediate_size",
+           "V": "vocab_size", "E": "num_experts"}
 
 
 def dims_of(cfg, padded_vocab: int) -> Dims:
@@ -66,7 +70,8 @@ def _check(reader: SafetensorsReader, names, entry: Entry, symbols, dtype) -> No
         if got != want:
             raise CheckpointError(
                 f"{name} in {reader.files[name].name} has shape {list(got)}, but config.json "
-                f"implies {list(want)} ({' x '.join(shape)}). The checkpoint and its config disagree."
+                f"implies {list(want)} ({' x '.join(_FIELDS[s] for s in shape)}). The checkpoint "
+                f"and its config disagree."
             )
         if dtype and reader.dtype(name) != dtype:
             raise CheckpointError(

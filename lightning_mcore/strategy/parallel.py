@@ -145,7 +145,8 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
         )
     if groups % tp:
         raise LayoutError(
-            f"num_query_groups ({groups}, the key/value heads) is not divisible by "
+            f"num_query_groups ({groups}, the key/value heads; num_key_value_heads in a Hugging "
+            f"Face config.json) is not divisible by "
             f"tensor_model_parallel_size ({tp}). Use a tensor-parallel size that divides it."
         )
     stages = pp * p.virtual_stages
