@@ -13,7 +13,9 @@ virtual pipeline stage), built in `configure_model` with `strategy.build_gpt(con
 from __future__ import annotations
 
 import contextlib
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 import torch
@@ -133,13 +135,6 @@ class MegatronStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         # Checks that need the model's shape; still before any process group exists.
         self.validate(getattr(self.lightning_module, "model_config", None))
-        trainer = self.lightning_module.trainer
-        if trainer is not None and trainer.checkpoint_callbacks:
-            # Lightning's default save would write rank 0's shards only: a silently broken file.
-            raise NotImplementedError(
-                "MegatronStrategy cannot save Lightning checkpoints yet (sharded dist_checkpointing "
-                "is not implemented); pass Trainer(enable_checkpointing=False)."
-            )
         _ = self.dtype  # refuse unsupported precision before starting processes groups
         if self.on_cpu:
             self._cpu.install()
@@ -423,6 +418,62 @@ class MegatronStrategy(DDPStrategy):
 
     def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
         return closure_loss  # mcore's schedule already ran backward for every microbatch
+
+    # ---------------------------------------------------------------- checkpoints
+    def lightning_module_state_dict(self) -> dict:
+        return {}  # weights go through dist_checkpointing in save_checkpoint, shard by shard
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}  # likewise
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
+        import dataclasses
+
+        from lightning_mcore.strategy import checkpoint_io
+
+        module = self.lightning_module
+        optimizer = self.optimizers[0] if self.optimizers else None
+        extra = {
+            "model_config": dataclasses.asdict(module.model_config),
+            "hf_family": getattr(module, "hf_family", None),
+            "parallel": dataclasses.asdict(self.parallel),
+            "lr_scheduler": optimizer.scheduler.state_dict() if optimizer is not None else None,
+        }
+        common = checkpoint_io.strip_for_common(checkpoint, extra)
+        with self.mcore_context():
+            checkpoint_io.save(
+                Path(filepath), common, list(module.chunks),
+                optimizer.optimizer if optimizer is not None else None, self.global_rank,
+            )
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
+        from lightning_mcore.strategy import checkpoint_io
+
+        self._loading_path = Path(checkpoint_path)
+        common = checkpoint_io.read_common(self._loading_path, self.lightning_module.model_config)
+        return {**common, "state_dict": {}, "optimizer_states": [{}]}
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        from lightning_mcore.strategy import checkpoint_io
+
+        with self.mcore_context():
+            checkpoint_io.load_model(self._loading_path, list(self.lightning_module.chunks))
+        checkpoint_io.load_rng(self._loading_path, self.global_rank)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        from lightning_mcore.strategy import checkpoint_io
+
+        optimizer = self.optimizers[0]
+        with self.mcore_context():
+            checkpoint_io.load_optimizer(self._loading_path, list(self.lightning_module.chunks),
+                                         optimizer.optimizer)
+        scheduler_state = checkpoint.get("megatron", {}).get("lr_scheduler")
+        if scheduler_state:
+            optimizer.scheduler.load_state_dict(scheduler_state)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
 
     # ---------------------------------------------------------------- teardown
     def teardown(self) -> None:

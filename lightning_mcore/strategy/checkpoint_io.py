@@ -1,0 +1,181 @@
+"""Sharded checkpoints on mcore dist_checkpointing (torch_dist), written atomically.
+
+A checkpoint is a directory (Lightning's `*.ckpt` path):
+
+    step=3.ckpt/
+      common.pt        Lightning's loops, callbacks, datamodule state; our model config,
+                       LR schedule; written by rank 0
+      weights/         dist_checkpointing: model chunks (+ optimizer), each rank its shards
+      rng_<rank>.pt    torch and mcore RNG tracker states of every rank
+
+It is written under a temporary sibling name and renamed when complete, so a crash mid-save
+leaves the previous checkpoint as the newest complete one; the temporary name contains neither
+"last" nor ".ckpt", so Lightning never takes it for a checkpoint. Loading rebuilds the sharded
+state dict of the *current* layout, so a TP=2 x PP=2 checkpoint resumes at TP=1 or PP=2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import queue
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+COMMON = "common.pt"
+WEIGHTS = "weights"
+# fully_reshardable: optimizer state can be loaded under another TP/PP/DP layout.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class CheckpointLoadError(ValueError):
+    """A ckpt_path that does not exist, is not our checkpoint, or belongs to another model."""
+
+
+def temporary_path(path: Path) -> Path:
+    digest = hashlib.sha1(path.name.encode()).hexdigest()[:10]
+    return path.parent / f".tmp-{digest}"
+
+
+def model_sharded_state_dict(chunks) -> dict:
+    """Keys of the bare GPTModel chunks: Lightning restores weights before the strategy wraps
+    the chunks in DDP and the optimizer after, so the wrapper's "module." prefix is left out."""
+    models = [getattr(chunk, "module", chunk) for chunk in chunks]
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict()}
+    return {f"model{i}": model.sharded_state_dict() for i, model in enumerate(models)}
+
+
+def sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
+    state = model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            dict(state), is_loading=is_loading, metadata=OPTIM_METADATA
+        )
+    return state
+
+
+def rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _in_process_results_queue() -> None:
+    """mcore makes a spawn-context Manager queue for write results even for synchronous saves
+    (filesystem_async._results_queue): ~12 s per save, and spawning re-imports __main__, so an
+    unguarded training script starts again inside the save. A synchronous save fills that queue
+    in this very process, so a plain queue does the same job."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+def save(path: Path, common: dict, chunks, optimizer, rank: int, save_rng: bool = True) -> None:
+    """Collective: every rank writes its shards into a temporary directory, rank 0 renames it."""
+    from megatron.core import dist_checkpointing
+
+    _in_process_results_queue()
+    path = Path(path)
+    tmp = temporary_path(path)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of the same name
+        (tmp / WEIGHTS).mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded_state_dict(chunks, optimizer, is_loading=False), str(tmp / WEIGHTS))
+    if save_rng:
+        torch.save(rng_state(), tmp / f"rng_{rank}.pt")
+    if rank == 0:
+        torch.save(common, tmp / COMMON)
+    dist.barrier()
+    if rank == 0:
+        old = None
+        if path.exists():
+            old = path.parent / f"{tmp.name}-old"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def read_common(path: Path, model_config) -> dict:
+    """Lightning's part of the checkpoint, after checking it is one of ours for this model."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointLoadError(f"ckpt_path {path} does not exist.")
+    if not (path / COMMON).is_file() or not (path / WEIGHTS).is_dir():
+        raise CheckpointLoadError(
+            f"ckpt_path {path} is not a MegatronStrategy checkpoint (expected a directory with "
+            f"{COMMON} and {WEIGHTS}/)."
+        )
+    common = torch.load(path / COMMON, map_location="cpu", weights_only=False)
+    saved = common.get("megatron", {}).get("model_config", {})
+    current = dataclasses.asdict(model_config)
+    ignore = {"transformer_impl", "recompute_granularity", "recompute_num_layers", "extra"}
+    differ = [f"{k}: checkpoint {saved.get(k)!r} vs model {v!r}" for k, v in current.items()
+              if k not in ignore and k in saved and saved[k] != v]
+    if differ:
+        raise CheckpointLoadError(
+            f"ckpt_path {path} was saved with a different model config: " + "; ".join(differ) + "."
+        )
+    return common
+
+
+def load_model(path: Path, chunks) -> None:
+    from megatron.core import dist_checkpointing
+
+    state = model_sharded_state_dict(chunks)
+    loaded = dist_checkpointing.load(state, str(Path(path) / WEIGHTS))
+    for key, chunk in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
+        getattr(chunk, "module", chunk).load_state_dict(loaded[key], strict=True)
+
+
+def load_optimizer(path: Path, chunks, optimizer) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer import distrib_optimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not distrib_optimizer.HAVE_APEX_OR_TE and any(
+        isinstance(o, distrib_optimizer.DistributedOptimizer) for o in parts
+    ):
+        raise NotImplementedError(
+            "Resuming the distributed optimizer's state needs Transformer Engine or Apex Adam: with "
+            "torch's Adam (e.g. on CPU) megatron-core 0.16 cannot load it (distrib_optimizer "
+            "asserts on Adam's 'step'). Resume with use_distributed_optimizer=False, or weights only."
+        )
+    model_state = model_sharded_state_dict(chunks)
+    state = {"optimizer": optimizer.sharded_state_dict(model_state, is_loading=True, metadata=OPTIM_METADATA)}
+    loaded = dist_checkpointing.load(state, str(Path(path) / WEIGHTS))
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def load_rng(path: Path, rank: int) -> None:
+    file = Path(path) / f"rng_{rank}.pt"
+    if file.is_file():
+        set_rng_state(torch.load(file, map_location="cpu", weights_only=False))
+
+
+def strip_for_common(checkpoint: dict[str, Any], extra: dict) -> dict:
+    common = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    common["megatron"] = extra
+    return common
+
