@@ -107,8 +107,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     dist.init_process_group("nccl")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tensor_model_parallel_size)
     model_parallel_cuda_manual_seed(1234)
-    tf = to_transformer_config(cfg, parallel, torch.bfloat16, on_cpu=False, use_te=True,
-                               micro_batch_size=args.mbs)
+    tf = to_transformer_config(cfg, parallel, torch.bfloat16, on_cpu=False, use_te=True)
     model = GPTModel(
         config=tf, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
         vocab_size=cfg.padded_vocab_size(parallel.tensor_model_parallel_size),

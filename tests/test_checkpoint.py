@@ -10,7 +10,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.data import PretrainDataModule
-from lightning_mcore.strategy.checkpoint_io import CheckpointLoadError
 from toy import RecordLosses, tiny_config
 
 ROOT = Path(__file__).parents[1]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from lightning_mcore.atomic import replace_dir
 from lightning_mcore.hf.load import chunk_parameters, dims_of, parallel_ranks
 from lightning_mcore.hf.mappings import mapping, shape_symbols
 
@@ -149,7 +150,7 @@ def export_hf(
     if rank == 0:
         writer.finish()
         _write_metadata(tmp, cfg, family, source_dir, items[0][1].dtype)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     if dist.is_initialized():
         dist.barrier()
     return out_dir if rank == 0 else None
@@ -186,14 +187,3 @@ def _write_metadata(directory: Path, cfg, family: str, source_dir, dtype: torch.
         for name in ("generation_config.json",) + TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, directory / name)
-
-
-def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    """Swap the finished directory into place; an existing one is removed only afterwards."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old)

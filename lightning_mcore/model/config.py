@@ -85,7 +85,6 @@ def to_transformer_config(
     dtype: torch.dtype,
     on_cpu: bool,
     use_te: bool,
-    micro_batch_size: int,
 ):
     """Build mcore's TransformerConfig; execution flags follow the device (fusions need CUDA)."""
     from megatron.core.transformer import TransformerConfig
@@ -108,12 +107,7 @@ def to_transformer_config(
         init_method_std=cfg.init_method_std,
         attention_dropout=cfg.attention_dropout,
         hidden_dropout=cfg.hidden_dropout,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        **p.sizes(),
         sequence_parallel=p.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import queue
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_mcore.atomic import replace_dir
 
 COMMON = "common.pt"
 WEIGHTS = "weights"
@@ -107,13 +108,7 @@ def save(path: Path, common: dict, chunks, optimizer, rank: int, save_rng: bool 
         torch.save(common, tmp / COMMON)
     dist.barrier()
     if rank == 0:
-        old = None
-        if path.exists():
-            old = path.parent / f"{tmp.name}-old"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, path)
     dist.barrier()
 
 

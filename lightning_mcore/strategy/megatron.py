@@ -141,15 +141,7 @@ class MegatronStrategy(DDPStrategy):
         super().setup_environment()  # sets the device, starts torch.distributed
         from megatron.core import parallel_state
 
-        p = self.parallel
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=p.tensor_model_parallel_size,
-            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-            context_parallel_size=p.context_parallel_size,
-            expert_model_parallel_size=p.expert_model_parallel_size,
-            expert_tensor_parallel_size=p.expert_tensor_parallel_size,
-        )
+        parallel_state.initialize_model_parallel(**self.parallel.sizes())
         self._seed_rng()
 
     def _seed_rng(self) -> None:
@@ -199,9 +191,7 @@ class MegatronStrategy(DDPStrategy):
         from lightning_mcore.model.config import to_transformer_config
 
         use_te = model_config.uses_te("cpu" if self.on_cpu else "gpu")
-        return to_transformer_config(
-            model_config, self.parallel, self.dtype, self.on_cpu, use_te, self.batch.micro_batch_size
-        )
+        return to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu, use_te)
 
     def build_gpt(self, model_config, hf_path=None, hf_family: Optional[str] = None) -> list:
         """This rank's GPTModel chunks: weights read from an HF checkpoint (only this rank's

@@ -38,6 +38,14 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
 
+    def sizes(self) -> dict:
+        """The six sizes under the keyword names that both mcore's initialize_model_parallel
+        and TransformerConfig take."""
+        names = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size")
+        return {n: getattr(self, n) for n in names}
+
     @property
     def model_parallel_size(self) -> int:
         return (
