@@ -115,13 +115,16 @@ def export_hf(
     items = _items(chunks, cfg, family)
     dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
 
-    # Who sends what: (key, source rank, HF names) from every rank's owned items.
-    mine = [(key, entry.hf_names(layer, expert), str(param.dtype).removeprefix("torch."))
+    # Who sends what: (key, source rank, HF names, their shapes, dtype) from every rank's items.
+    mine = [(key, entry.hf_names(layer, expert),
+             [tuple(symbols[s] for s in shape) for shape in entry.shapes],
+             str(param.dtype).removeprefix("torch."))
             for key, param, entry, layer, expert in items if _is_sender(entry.expert)]
     everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather_object(everyone, mine)
-    plan = sorted((key, src, names, dt) for src, lst in enumerate(everyone) for key, names, dt in lst)
+    plan = sorted((key, src, names, shapes, dt)
+                  for src, lst in enumerate(everyone) for key, names, shapes, dt in lst)
 
     tmp = None
     if rank == 0:
@@ -130,9 +133,9 @@ def export_hf(
         writer = _ShardWriter(tmp, max_shard_bytes)
     own = iter(items)
     device = items[0][1].device if items else torch.device("cpu")
-    for key, src, names, dt in (plan if rank == 0 else [(k, rank, None, None) for k, *_ in items]):
+    for key, src, names, shapes, dt in (plan if rank == 0 else [(k, rank, None, None, None) for k, *_ in items]):
         if src == rank:
-            key_own, param, entry, layer, expert = next(own)
+            _, param, entry, layer, expert = next(own)
             tensors = entry.transform.save(_gather(param, entry.expert), entry.hf_names(layer, expert), dims)
             if not _is_sender(entry.expert):
                 continue
@@ -142,8 +145,7 @@ def export_hf(
                 else:
                     dist.send(tensor.contiguous(), dst=0)
         else:  # rank 0 receives another group's tensors, in the sender's order
-            for name in names:
-                shape = _shape_of(name, cfg, family, symbols)
+            for name, shape in zip(names, shapes):
                 buf = torch.empty(shape, dtype=getattr(torch, dt), device=device)
                 dist.recv(buf, src=src)
                 writer.add(name, buf)
@@ -160,17 +162,6 @@ def _is_sender(expert: bool) -> bool:
     """Rank 0 of the (expert-)tensor-parallel group sends what the group gathered."""
     ranks = parallel_ranks()
     return (ranks["etp"] if expert else ranks["tp"])[0] == 0
-
-
-def _shape_of(name: str, cfg, family: str, symbols) -> tuple:
-    import re
-
-    for entry in mapping(family, cfg.tie_word_embeddings):
-        for hf, shape in zip(entry.hf, entry.shapes):
-            pattern = re.escape(hf).replace(r"\{L\}", r"\d+").replace(r"\{E\}", r"\d+") + "$"
-            if re.match(pattern, name):
-                return tuple(symbols[s] for s in shape)
-    raise KeyError(name)
 
 
 def _write_metadata(directory: Path, cfg, family: str, source_dir, dtype: torch.dtype) -> None:
