@@ -13,7 +13,8 @@ def replace_dir(tmp: Path, final: Path) -> None:
     crash at any point leaves either the old or the new directory complete under `final`."""
     old = None
     if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        # The old name contains neither "last" nor ".ckpt": never taken for a checkpoint.
+        old = final.parent / f".tmp-old-{uuid.uuid4().hex[:8]}"
         os.replace(final, old)
     os.replace(tmp, final)
     if old is not None:

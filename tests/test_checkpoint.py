@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.data import PretrainDataModule
+from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from toy import RecordLosses, tiny_config
 
 ROOT = Path(__file__).parents[1]
@@ -26,7 +27,8 @@ class StopAfter(L.Callback):
             trainer.should_stop = True
 
 
-def run(tmp: Path, name: str, devices: int, stop: int = None, ckpt_path=None, config=None, **parallel):
+def run(tmp: Path, name: str, devices: int, stop: int = None, ckpt_path=None, config=None,
+        checkpoint=None, **parallel):
     out = tmp / f"{name}.json"
     callbacks = [RecordLosses(out), ModelCheckpoint(dirpath=tmp / f"{name}-ckpts", every_n_train_steps=3,
                                                     save_top_k=-1, save_last=True)]
@@ -35,7 +37,8 @@ def run(tmp: Path, name: str, devices: int, stop: int = None, ckpt_path=None, co
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=6, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
-        strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=2, start_method="fork", **parallel),
+        strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=2, start_method="fork",
+                                  checkpoint=checkpoint, **parallel),
     )
     data = PretrainDataModule(paths=str(ROOT / "configs/sample_data/sample.txt"),
                               tokenizer=str(ROOT / "configs/sample_data/tokenizer"), seq_length=32,
@@ -57,6 +60,38 @@ def test_resume_continues_exactly_with_data_parallel(tmp_path):
     assert len(resumed) == 3
     for got, want in zip(resumed, straight[3:]):
         assert abs(got - want) <= 1e-7, (resumed, straight[3:])
+
+
+@pytest.mark.distributed
+def test_async_save_resumes_exactly(tmp_path):
+    """The shards are written by a forked process; the directory appears once all are done."""
+    layout = dict(tensor_model_parallel_size=1)
+    straight = run(tmp_path, "straight", 2, **layout)
+    run(tmp_path, "first", 2, stop=3, checkpoint=CheckpointOptions(async_save=True), **layout)
+    saved = tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt"
+    assert sorted(p.name for p in saved.iterdir()) == ["common.pt", "rng_0.pt", "rng_1.pt", "weights"]
+    assert not list((tmp_path / "first-ckpts").glob(".tmp-*"))
+    resumed = run(tmp_path, "resumed", 2, ckpt_path=str(saved), **layout)
+    for got, want in zip(resumed, straight[3:]):
+        assert abs(got - want) <= 1e-7, (resumed, straight[3:])
+
+
+@pytest.mark.distributed
+def test_checkpoint_without_optimizer_and_rng(tmp_path):
+    """save_optimizer/save_rng=False leave those out; resuming warns and starts a fresh
+    optimizer, so step 4 differs from the straight run's, while the first 3 match."""
+    from megatron.core import dist_checkpointing
+
+    straight = run(tmp_path, "straight", 1)
+    lean = CheckpointOptions(save_optimizer=False, save_rng=False)
+    first = run(tmp_path, "first", 1, stop=3, checkpoint=lean)
+    assert first == straight[:3]
+    saved = tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt"
+    assert sorted(p.name for p in saved.iterdir()) == ["common.pt", "weights"]
+    keys = dist_checkpointing.load_tensors_metadata(str(saved / "weights"))
+    assert keys and not [k for k in keys if k.startswith("optimizer")]
+    resumed = run(tmp_path, "resumed", 1, ckpt_path=str(saved))  # warns: fresh optimizer
+    assert len(resumed) == 3 and abs(resumed[0] - straight[3]) > 1e-6
 
 
 @pytest.mark.distributed

@@ -7,31 +7,14 @@ batch of one optimizer step, read from ``trainer.strategy.data_parallel_batch_si
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import Dataset, Subset
 
 from lightning_mcore.data import preprocess
-from lightning_mcore.data.sampler import DataParallelSampler
-
-
-def _layout(trainer: Any) -> tuple[int, int, int]:
-    """(dp_rank, dp_size, per-rank batch size B) from the strategy's public attributes."""
-    if trainer is None:
-        raise RuntimeError("PretrainDataModule must be attached to a Trainer to build dataloaders")
-    strategy = trainer.strategy
-    batch_size = getattr(strategy, "data_parallel_batch_size", None)
-    if batch_size is None:
-        raise TypeError(
-            "PretrainDataModule needs lightning_mcore.MegatronStrategy, got "
-            f"{type(strategy).__name__}: it reads the per-rank batch size from "
-            "strategy.data_parallel_batch_size"
-        )
-    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1)), int(batch_size)
+from lightning_mcore.data.feeding import DataParallelDataModule
 
 
 class PackedSequences(Dataset):
@@ -84,31 +67,7 @@ class PackedSequences(Dataset):
         }
 
 
-class _SeatedLoader(DataLoader):
-    """DataLoader that puts its sampler at ``position()`` on every ``iter()``.
-
-    The sampler's own counter runs ahead of training when an iterator is dropped early (worker
-    prefetch, ``limit_val_batches``, ``max_steps``); re-reading the trainer's step avoids that.
-    """
-
-    def __init__(self, *args: Any, position: Callable[[], int] = lambda: 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._position = position
-
-    def __iter__(self):
-        if isinstance(self.sampler, DataParallelSampler):
-            self.sampler.consumed_samples = self._position()
-        return super().__iter__()
-
-    def state_dict(self) -> dict[str, int]:
-        """Marks the loader resumable for Lightning; the position returns with the trainer step."""
-        return {"consumed_samples": self._position()}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Nothing to restore: ``position()`` follows the restored trainer step."""
-
-
-class PretrainDataModule(L.LightningDataModule):
+class PretrainDataModule(DataParallelDataModule):
     """Pretraining data from text/jsonl/parquet files, or from mcore indexed datasets.
 
     Args:
@@ -230,60 +189,3 @@ class PretrainDataModule(L.LightningDataModule):
         )
         val, train = order[:num_val].sort().values, order[num_val:].sort().values
         return Subset(packed, train.tolist()), Subset(packed, val.tolist())
-
-    def _consumed_samples(self) -> int:
-        """Global samples consumed at the trainer's step, continuing from a restored checkpoint."""
-        _, dp_size, batch_size = _layout(self.trainer)
-        consumed, step = self._resume
-        return max(0, consumed + (self.trainer.global_step - step) * batch_size * dp_size)
-
-    def _loader(
-        self, split: str, dataset: Dataset, shuffle: bool, position: Callable[[], int]
-    ) -> DataLoader:
-        rank, dp_size, batch_size = _layout(self.trainer)
-        try:
-            sampler = DataParallelSampler(
-                len(dataset),
-                batch_size,
-                rank,
-                dp_size,
-                shuffle=shuffle,
-                seed=self.hparams.seed,
-                consumed_samples=position(),
-            )
-        except ValueError as err:
-            raise ValueError(
-                f"{split} data of seq_length={self.hparams.seq_length}: {err}"
-            ) from None
-        return _SeatedLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            num_workers=self.hparams.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            position=position,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            self.setup("fit")
-        shuffle = self.hparams.shuffle
-        return self._loader("training", self.train_dataset, shuffle, self._consumed_samples)
-
-    def val_dataloader(self) -> Union[DataLoader, list]:
-        if self.train_dataset is None:
-            self.setup("validate")
-        if self.val_dataset is None:
-            return []
-        return self._loader("validation", self.val_dataset, False, lambda: 0)
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.trainer is None:
-            return {"consumed_samples": self._resume[0], "global_step": self._resume[1]}
-        return {
-            "consumed_samples": self._consumed_samples(),
-            "global_step": self.trainer.global_step,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume = (int(state_dict["consumed_samples"]), int(state_dict.get("global_step", 0)))

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import queue
+import multiprocessing as mp
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,17 @@ COMMON = "common.pt"
 WEIGHTS = "weights"
 # fully_reshardable: optimizer state can be loaded under another TP/PP/DP layout.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What a checkpoint holds and how it is written (Megatron's --no-save-optim, --no-save-rng,
+    --async-save). A checkpoint without optimizer state resumes with a fresh optimizer (the LR
+    schedule and step count still continue)."""
+
+    save_optimizer: bool = True
+    save_rng: bool = True
+    async_save: bool = False
 
 
 class CheckpointLoadError(ValueError):
@@ -79,37 +91,52 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _in_process_results_queue() -> None:
-    """mcore makes a spawn-context Manager queue for write results even for synchronous saves
-    (filesystem_async._results_queue): ~12 s per save, and spawning re-imports __main__, so an
-    unguarded training script starts again inside the save. A synchronous save fills that queue
-    in this very process, so a plain queue does the same job."""
+def _fork_results_queue() -> None:
+    """mcore's default queue for write results is a spawn-context Manager queue
+    (filesystem_async._results_queue): ~12 s to start, and spawning re-imports __main__, so an
+    unguarded training script starts again inside the save. Results are put by this process
+    (synchronous save) or by a child forked from it (async save), so a fork-context queue,
+    made before any fork, does the same job."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
+        filesystem_async._results_queue = mp.get_context("fork").Queue()
 
 
-def save(path: Path, common: dict, chunks, optimizer, rank: int, save_rng: bool = True) -> None:
-    """Collective: every rank writes its shards into a temporary directory, rank 0 renames it."""
+def save(path: Path, common: dict, chunks, optimizer, rank: int,
+         options: CheckpointOptions = CheckpointOptions()):
+    """Collective: every rank writes its shards into a temporary directory, rank 0 renames it.
+
+    With `options.async_save` the shards are written by a forked process and the returned
+    mcore AsyncRequest renames the directory once every rank is done (the caller schedules it).
+    """
     from megatron.core import dist_checkpointing
 
-    _in_process_results_queue()
+    _fork_results_queue()
     path = Path(path)
     tmp = temporary_path(path)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of the same name
         (tmp / WEIGHTS).mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict(chunks, optimizer, is_loading=False), str(tmp / WEIGHTS))
-    if save_rng:
+    if options.save_rng:
         torch.save(rng_state(), tmp / f"rng_{rank}.pt")
     if rank == 0:
         torch.save(common, tmp / COMMON)
-    dist.barrier()
-    if rank == 0:
-        replace_dir(tmp, path)
-    dist.barrier()
+    state = sharded_state_dict(chunks, optimizer if options.save_optimizer else None, is_loading=False)
+    request = dist_checkpointing.save(state, str(tmp / WEIGHTS), async_sharded_save=options.async_save)
+
+    def publish() -> None:
+        dist.barrier()
+        if rank == 0:
+            replace_dir(tmp, path)
+        dist.barrier()
+
+    if request is None:
+        publish()
+        return None
+    request.add_finalize_fn(publish)
+    return request
 
 
 def read_common(path: Path, model_config) -> dict:

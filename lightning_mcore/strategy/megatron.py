@@ -24,7 +24,9 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.optimizer import (
     MegatronOptimizer,
@@ -59,6 +61,7 @@ class MegatronStrategy(DDPStrategy):
         global_batch_size: int = 8,
         micro_batch_size: int = 1,
         seed: int = 1234,
+        checkpoint: Optional[CheckpointOptions] = None,
         timeout: Optional[timedelta] = timedelta(minutes=30),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: Optional[str] = None,
@@ -68,7 +71,8 @@ class MegatronStrategy(DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        """Parallel sizes carry Megatron's names; the rest is Lightning's usual plumbing."""
+        """Parallel sizes carry Megatron's names; `checkpoint` says what checkpoints hold and
+        whether they are written asynchronously; the rest is Lightning's usual plumbing."""
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -93,6 +97,8 @@ class MegatronStrategy(DDPStrategy):
         )
         self.batch = BatchConfig(global_batch_size, micro_batch_size)
         self.seed = seed
+        self.checkpoint_options = checkpoint or CheckpointOptions()
+        self._async_saves = None  # mcore AsyncCallsQueue, made by the first async save
         self._cpu = CpuCompat()
         self._tf_config = None
 
@@ -401,6 +407,7 @@ class MegatronStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         # No autocast context: mcore runs mixed precision itself (bf16 weights, fp32 main
         # weights and grads in its optimizer), so Lightning's autocast would only add casts.
+        self.finalize_async_saves()
         return self.lightning_module.training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
@@ -428,13 +435,28 @@ class MegatronStrategy(DDPStrategy):
             "hf_family": getattr(module, "hf_family", None),
             "parallel": dataclasses.asdict(self.parallel),
             "lr_scheduler": optimizer.scheduler.state_dict() if optimizer is not None else None,
+            "saved_optimizer": optimizer is not None and self.checkpoint_options.save_optimizer,
+            "hf_path": getattr(module, "hf_path", None),
+            "dtype": str(self.dtype).removeprefix("torch."),
         }
         common = checkpoint_io.strip_for_common(checkpoint, extra)
         with self.mcore_context():
-            checkpoint_io.save(
+            request = checkpoint_io.save(
                 Path(filepath), common, list(module.chunks),
                 optimizer.optimizer if optimizer is not None else None, self.global_rank,
+                self.checkpoint_options,
             )
+            if request is not None:
+                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+                self._async_saves = self._async_saves or AsyncCallsQueue()
+                self._async_saves.schedule_async_request(request)
+
+    def finalize_async_saves(self, blocking: bool = False) -> None:
+        """Publish the async checkpoints whose writes finished on every rank (collective)."""
+        if self._async_saves is not None and self._async_saves.get_num_unfinalized_calls():
+            with self.mcore_context():
+                self._async_saves.maybe_finalize_async_calls(blocking=blocking)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         from lightning_mcore.strategy import checkpoint_io
@@ -454,9 +476,13 @@ class MegatronStrategy(DDPStrategy):
         from lightning_mcore.strategy import checkpoint_io
 
         optimizer = self.optimizers[0]
-        with self.mcore_context():
-            checkpoint_io.load_optimizer(self._loading_path, list(self.lightning_module.chunks),
-                                         optimizer.optimizer)
+        if checkpoint.get("megatron", {}).get("saved_optimizer", True):
+            with self.mcore_context():
+                checkpoint_io.load_optimizer(self._loading_path, list(self.lightning_module.chunks),
+                                             optimizer.optimizer)
+        else:
+            rank_zero_warn(f"{self._loading_path} holds no optimizer state (saved with "
+                           "save_optimizer=False): the optimizer starts fresh.")
         scheduler_state = checkpoint.get("megatron", {}).get("lr_scheduler")
         if scheduler_state:
             optimizer.scheduler.load_state_dict(scheduler_state)
@@ -469,6 +495,7 @@ class MegatronStrategy(DDPStrategy):
     def teardown(self) -> None:
         from megatron.core import parallel_state
 
+        self.finalize_async_saves(blocking=True)
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         super().teardown()

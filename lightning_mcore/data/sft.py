@@ -1,0 +1,280 @@
+"""LightningDataModule for supervised fine-tuning on chat conversations.
+
+Batches are dicts of ``[B, S]`` tensors ``tokens``, ``labels``, ``loss_mask``, ``position_ids``
+and ``segment_ids`` (see ``packing``): the loss falls on the assistant's replies only, and a
+row holds one conversation (``packing=False``) or several.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import Counter
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch.utils.data import Dataset
+
+from lightning_mcore.data import preprocess
+from lightning_mcore.data.chat import ChatFormat, drop_reason, resolve_template
+from lightning_mcore.data.chat import tokenize_conversation
+from lightning_mcore.data.feeding import DataParallelDataModule
+from lightning_mcore.data.packing import TRUNCATION, build_row, efficiency, fit_samples, pack
+
+log = logging.getLogger(__name__)
+
+
+class SFTRows(Dataset):
+    """Rows of ``seq_length`` tokens, each built from the tokenized samples listed for it."""
+
+    def __init__(self, tokenized: Any, rows: list[list[int]], seq_length: int, pad_id: int):
+        self.tokenized = tokenized.select_columns(["input_ids", "assistant_mask"])
+        self.rows, self.seq_length, self.pad_id = rows, seq_length, pad_id
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        got, cut = self.tokenized[self.rows[index]], self.seq_length
+        samples = [(i[:cut], m[:cut]) for i, m in zip(got["input_ids"], got["assistant_mask"])]
+        return build_row(samples, self.seq_length, self.pad_id)
+
+
+class SFTDataModule(DataParallelDataModule):
+    """Chat fine-tuning data from jsonl/json/parquet files or ``save_to_disk`` directories.
+
+    Args:
+        paths: files or globs (``.jsonl``/``.json``, ``.parquet``) or saved dataset directories.
+        tokenizer: path to an HF tokenizer directory.
+        seq_length: tokens per row ``S``.
+        format: ``"messages"``, ``"alpaca"`` or ``"auto"`` (from the columns), see ``chat``.
+        columns: our field names to the dataset's, e.g. ``{"messages": "conversations",
+            "role": "from", "content": "value"}``.
+        roles: the dataset's role names to ours, e.g. ``{"human": "user", "gpt": "assistant"}``.
+        chat_template: None (the tokenizer's), ``"chatml"`` (built in) or a Jinja template.
+        truncation: samples longer than ``S`` are ``"drop"``-ped or ``"truncate"``-d to the
+            first ``S`` tokens (dropped anyway when no assistant token is left).
+        packing: several samples per row (best-fit decreasing) instead of one.
+        val_split: fraction of the samples held out for validation (0: none).
+        seed: seed of the split and of the per-epoch shuffle.
+        shuffle: reshuffle training rows every epoch.
+        num_workers: DataLoader worker processes.
+        num_proc: processes for tokenizing with ``datasets.map``.
+        cache_dir: ``datasets`` cache directory (its default when None).
+
+    After ``setup``, ``stats`` holds what happened to the samples: counts dropped by reason,
+    truncated, and per split the samples, rows, tokens and packing efficiency.
+    """
+
+    def __init__(
+        self,
+        paths: Union[str, list[str]],
+        tokenizer: str,
+        seq_length: int,
+        format: str = "auto",
+        columns: Optional[dict[str, str]] = None,
+        roles: Optional[dict[str, str]] = None,
+        chat_template: Optional[str] = None,
+        truncation: str = "drop",
+        packing: bool = True,
+        val_split: float = 0.0,
+        seed: int = 1234,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        num_proc: Optional[int] = None,
+        cache_dir: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(seq_length, int) or seq_length < 2:
+            raise ValueError(f"seq_length must be an int >= 2, got {seq_length!r}")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}")
+        if not 0.0 <= val_split < 1.0:
+            raise ValueError(f"val_split must be in [0, 1), got {val_split}")
+        self.save_hyperparameters()
+        self.paths = [paths] if isinstance(paths, str) else list(paths)
+        preprocess.tokenizer_dir(tokenizer)  # fail now, not after the trainer has started
+        self._tokenizer: Any = None
+        self.stats: dict[str, Any] = {}
+
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded HF tokenizer."""
+        if self._tokenizer is None:
+            self._tokenizer = preprocess.load_tokenizer(self.hparams.tokenizer)
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """``len(tokenizer)``, special tokens included: the size a model's embedding needs."""
+        return len(self.tokenizer)
+
+    @property
+    def pad_token_id(self) -> int:
+        """Fills padding and unused labels (never with loss): pad, else EOS, else 0."""
+        tok = self.tokenizer
+        return next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
+
+    def prepare_data(self) -> None:
+        """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
+        self._tokenize()
+
+    def _tokenize(self) -> Any:
+        hp = self.hparams
+        records = load_records(self.paths, hp.cache_dir)
+        chat = ChatFormat.detect(records.column_names, hp.format, hp.columns, hp.roles)
+        records = records.select_columns(chat.record_columns)
+        return tokenize_records(records, self.tokenizer, chat, hp.chat_template, hp.num_proc,
+                                hp.cache_dir)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:
+            return
+        hp, tokenized = self.hparams, self._tokenize()
+        numbers = tokenized.select_columns(["length", "first_loss"]).with_format("numpy")[:]
+        lengths, first = numbers["length"], numbers["first_loss"]
+        dropped = Counter(r for r in tokenized["dropped"] if r)
+        usable = np.flatnonzero(lengths > 0)
+        keep, fitted, lost, truncated = fit_samples(
+            lengths[usable], first[usable], hp.seq_length, hp.truncation
+        )
+        dropped.update(lost)
+        self.stats = {"samples": len(tokenized), "dropped": dict(dropped), "truncated": truncated}
+        if len(keep) == 0:
+            raise ValueError(f"no sample left to train on of {len(tokenized)}: {dict(dropped)}")
+        kept_lengths = dict(zip(usable[keep].tolist(), fitted.tolist()))
+        train, val = self._split(usable[keep].tolist())
+        self.train_dataset = self._rows("train", tokenized, train, kept_lengths)
+        self.val_dataset = self._rows("val", tokenized, val, kept_lengths) if val else None
+        _log_stats(self.stats)
+
+    def _split(self, samples: list[int]) -> tuple[list[int], list[int]]:
+        """Hold out a seeded random ``val_split`` fraction of the samples (before packing)."""
+        num_val = int(round(len(samples) * self.hparams.val_split))
+        if self.hparams.val_split > 0 and not 0 < num_val < len(samples):
+            raise ValueError(
+                f"val_split={self.hparams.val_split} of {len(samples)} samples leaves "
+                f"{num_val} for validation and {len(samples) - num_val} for training"
+            )
+        generator = torch.Generator().manual_seed(self.hparams.seed)
+        order = torch.randperm(len(samples), generator=generator).tolist()
+        val = sorted(samples[i] for i in order[:num_val])
+        return sorted(samples[i] for i in order[num_val:]), val
+
+    def _rows(self, split: str, tokenized: Any, samples: list[int], lengths: dict) -> SFTRows:
+        """Pack the split's samples into rows and record its numbers in ``stats``."""
+        S, sizes = self.hparams.seq_length, [lengths[i] for i in samples]
+        rows = pack(sizes, S) if self.hparams.packing else [[i] for i in range(len(sizes))]
+        self.stats[split] = {
+            "samples": len(samples),
+            "rows": len(rows),
+            "tokens": sum(sizes),
+            "packing_efficiency": efficiency(sizes, rows, S),
+        }
+        rows = [[samples[i] for i in row] for row in rows]
+        return SFTRows(tokenized, rows, S, self.pad_token_id)
+
+
+
+def load_records(paths: Sequence[str], cache_dir: Optional[str] = None) -> Any:
+    """One ``datasets.Dataset`` of the records of every path, in order."""
+    import datasets
+
+    parts = []
+    for path in paths:
+        if os.path.isdir(os.path.expanduser(path)):
+            loaded = datasets.load_from_disk(os.path.expanduser(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if "train" not in loaded:
+                    raise ValueError(f"{path!r} holds splits {list(loaded)} but no 'train' split")
+                loaded = loaded["train"]
+            parts.append(loaded)
+            continue
+        for builder, group in preprocess._runs_of_same_builder(preprocess.resolve_files(path)):
+            if builder == "text":
+                raise ValueError(
+                    f"{group[0]!r}: text files hold no conversations; use .jsonl/.json, "
+                    ".parquet or a save_to_disk directory"
+                )
+            parts.append(datasets.load_dataset(builder, data_files=group, split="train",
+                                               cache_dir=cache_dir))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def tokenize_records(
+    records: Any,
+    tokenizer: Any,
+    chat: ChatFormat,
+    chat_template: Optional[str] = None,
+    num_proc: Optional[int] = None,
+    cache_dir: Optional[str] = None,
+) -> Any:
+    """``datasets.map`` the records to ``input_ids``, ``assistant_mask``, ``length``,
+    ``first_loss`` and ``dropped`` (the reason, or ""; such rows are empty).
+
+    Cached under a fingerprint of the data, the tokenizer's content, the template and the
+    format, so ranks that come second load the result instead of tokenizing again.
+    """
+    import datasets
+
+    template = resolve_template(tokenizer, chat_template)
+    key = "|".join(
+        ["lightning_mcore-sft-v1", records._fingerprint, preprocess._tokenizer_content(tokenizer),
+         template, repr((chat.format, sorted(chat.names.items()), sorted(chat.roles.items())))]
+    )
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:32]
+    cache_file = os.path.join(cache_dir, f"sft-{fingerprint}.arrow") if cache_dir else None
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "assistant_mask": datasets.Sequence(datasets.Value("int8")),
+        "length": datasets.Value("int32"),
+        "first_loss": datasets.Value("int32"),
+        "dropped": datasets.Value("string"),
+    })
+    return records.map(
+        _tokenize_batch,
+        batched=True,
+        with_indices=True,
+        remove_columns=records.column_names,
+        fn_kwargs={"tokenizer": tokenizer, "chat": chat, "template": template},
+        features=features,
+        num_proc=num_proc,
+        new_fingerprint=fingerprint,
+        cache_file_name=cache_file,
+        desc="Tokenizing conversations",
+    )
+
+
+def _tokenize_batch(batch: dict, indices: list[int], tokenizer: Any, chat: ChatFormat,
+                    template: str) -> dict:
+    out: dict[str, list] = {k: [] for k in ("input_ids", "assistant_mask", "length",
+                                            "first_loss", "dropped")}
+    for row, index in enumerate(indices):
+        messages = chat.read({column: values[row] for column, values in batch.items()}, index)
+        reason = drop_reason(messages)
+        ids, mask = ([], []) if reason else tokenize_conversation(
+            tokenizer, messages, template, index
+        )
+        out["input_ids"].append(ids)
+        out["assistant_mask"].append(mask)
+        out["length"].append(len(ids))
+        out["first_loss"].append(next((j for j in range(1, len(mask)) if mask[j]), len(ids)))
+        out["dropped"].append(reason or "")
+    return out
+
+
+@rank_zero_only
+def _log_stats(stats: Mapping[str, Any]) -> None:
+    train = stats["train"]
+    log.info(
+        "SFT data: %d samples, %d training rows of %d samples (%d tokens, packing efficiency "
+        "%.1f%%)%s", stats["samples"], train["rows"], train["samples"], train["tokens"],
+        100 * train["packing_efficiency"],
+        f", {stats['val']['rows']} validation rows" if "val" in stats else "",
+    )
+    if stats["dropped"] or stats["truncated"]:
+        log.warning("SFT data: dropped %s, truncated %d of %d samples",
+                    stats["dropped"] or "none", stats["truncated"], stats["samples"])
