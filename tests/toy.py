@@ -7,9 +7,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings, PretrainModule
+from lightning_mcore.data import PretrainDataModule
+
+ROOT = Path(__file__).parents[1]
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -105,4 +109,38 @@ def fit(tmp_path: Path, devices: int = 1, steps: int = 3, gbs: int = 8, mbs: int
     module = PretrainModule(config, optim or OptimizerSettings(lr=1e-3))
     data = dataset or TokenRows(seq=config.seq_length, vocab=config.vocab_size)
     trainer.fit(module, DataLoader(data, batch_size=gbs // dp))
+    return json.loads(out.read_text())
+
+
+class StopAfter(L.Callback):
+    """Ends the run after `steps` optimizer steps, as an interruption would (max_steps unchanged)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+def fit_with_checkpoints(tmp: Path, name: str, devices: int, stop: int = None, ckpt_path=None,
+                         config=None, checkpoint=None, start_method="fork", **parallel):
+    """6 steps of the tiny model on the sample text, checkpoints every 3 steps (+ last.ckpt);
+    returns rank 0's per-step losses."""
+    out = tmp / f"{name}.json"
+    callbacks = [RecordLosses(out), ModelCheckpoint(dirpath=tmp / f"{name}-ckpts", every_n_train_steps=3,
+                                                    save_top_k=-1, save_last=True)]
+    if stop:
+        callbacks.append(StopAfter(stop))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, max_steps=6, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+        strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=2, start_method=start_method,
+                                  checkpoint=checkpoint, **parallel),
+    )
+    data = PretrainDataModule(paths=str(ROOT / "configs/sample_data/sample.txt"),
+                              tokenizer=str(ROOT / "configs/sample_data/tokenizer"), seq_length=32,
+                              shuffle=True, cache_dir=str(tmp / "cache"))
+    module = PretrainModule(config or tiny_config(vocab_size=512), OptimizerSettings(lr=1e-3, warmup_steps=2))
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     return json.loads(out.read_text())

@@ -1,13 +1,16 @@
-"""Pretraining data: packed token sequences fed per data-parallel rank, resumable mid-epoch."""
+"""Training data fed per data-parallel rank, resumable mid-epoch: packed token sequences for
+pretraining, chat conversations with assistant-only loss for fine-tuning."""
 
 from lightning_mcore.data.indexed import HFTokenizerAdapter, build_indexed_datasets
 from lightning_mcore.data.pretrain import PackedSequences, PretrainDataModule
 from lightning_mcore.data.sampler import DataParallelSampler
+from lightning_mcore.data.sft import SFTDataModule
 
 __all__ = [
     "DataParallelSampler",
     "HFTokenizerAdapter",
     "PackedSequences",
     "PretrainDataModule",
+    "SFTDataModule",
     "build_indexed_datasets",
 ]

@@ -97,12 +97,16 @@ class ChatFormat:
         used = ("messages",) if self.format == "messages" else ("instruction", "input", "output")
         return [self.names[field] for field in used if self.names[field] is not None]
 
-    def _get(self, record: Mapping, field: str, where: str) -> Any:
+    def _get(self, record: Mapping, field: str, where: str, text: bool = True) -> Any:
         value = record.get(self.names[field])
         if value is None:
             raise ValueError(
                 f"{where}: field {self.names[field]!r} is missing or null; "
                 f"available: {sorted(k for k, v in record.items() if v is not None)}"
+            )
+        if text and not isinstance(value, str):
+            raise ValueError(
+                f"{where}: field {self.names[field]!r} must be a string, got {type(value).__name__}"
             )
         return value
 
@@ -110,12 +114,12 @@ class ChatFormat:
         """The record's turns as ``[{"role", "content"}]`` with our role names."""
         where = f"sample {index}"
         if self.format == "alpaca":
-            extra = record.get(self.names["input"]) if self.names["input"] else None
+            extra = self._get(record, "input", where) if record.get(self.names["input"]) else None
             user = self._get(record, "instruction", where) + (f"\n\n{extra}" if extra else "")
             output = self._get(record, "output", where)
             return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
         messages = []
-        for turn, message in enumerate(self._get(record, "messages", where)):
+        for turn, message in enumerate(self._get(record, "messages", where, text=False)):
             at = f"{where}, message {turn}"
             role, content = self._get(message, "role", at), self._get(message, "content", at)
             role = self.roles.get(role, role)
@@ -124,8 +128,6 @@ class ChatFormat:
                     f"{at}: unknown role {role!r}; allowed roles are {ROLES} (rename the "
                     f"dataset's roles with roles={{{role!r}: 'user'}})"
                 )
-            if not isinstance(content, str):
-                raise ValueError(f"{at}: content must be a string, got {type(content).__name__}")
             messages.append({"role": role, "content": content})
         return messages
 

@@ -127,8 +127,9 @@ class SFTDataModule(DataParallelDataModule):
         records = load_records(self.paths, hp.cache_dir)
         chat = ChatFormat.detect(records.column_names, hp.format, hp.columns, hp.roles)
         records = records.select_columns(chat.record_columns)
-        return tokenize_records(records, self.tokenizer, chat, hp.chat_template, hp.num_proc,
-                                hp.cache_dir)
+        return tokenize_records(
+            records, self.tokenizer, chat, hp.chat_template, hp.num_proc, hp.cache_dir
+        )
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:
@@ -178,7 +179,6 @@ class SFTDataModule(DataParallelDataModule):
         return SFTRows(tokenized, rows, S, self.pad_token_id)
 
 
-
 def load_records(paths: Sequence[str], cache_dir: Optional[str] = None) -> Any:
     """One ``datasets.Dataset`` of the records of every path, in order."""
     import datasets
@@ -199,8 +199,9 @@ def load_records(paths: Sequence[str], cache_dir: Optional[str] = None) -> Any:
                     f"{group[0]!r}: text files hold no conversations; use .jsonl/.json, "
                     ".parquet or a save_to_disk directory"
                 )
-            parts.append(datasets.load_dataset(builder, data_files=group, split="train",
-                                               cache_dir=cache_dir))
+            parts.append(
+                datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
+            )
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
@@ -221,26 +222,22 @@ def tokenize_records(
     import datasets
 
     template = resolve_template(tokenizer, chat_template)
-    key = "|".join(
-        ["lightning_mcore-sft-v1", records._fingerprint, preprocess._tokenizer_content(tokenizer),
-         template, repr((chat.format, sorted(chat.names.items()), sorted(chat.roles.items())))]
-    )
+    how = (chat.format, sorted(chat.names.items()), sorted(chat.roles.items()))
+    content = preprocess._tokenizer_content(tokenizer)
+    key = f"lightning_mcore-sft-v1|{records._fingerprint}|{content}|{template}|{how}"
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:32]
     cache_file = os.path.join(cache_dir, f"sft-{fingerprint}.arrow") if cache_dir else None
-    features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "assistant_mask": datasets.Sequence(datasets.Value("int8")),
-        "length": datasets.Value("int32"),
-        "first_loss": datasets.Value("int32"),
-        "dropped": datasets.Value("string"),
-    })
+    ints, mask = datasets.Value("int32"), datasets.Sequence(datasets.Value("int8"))
+    ids = datasets.Sequence(datasets.Value("int32"))
+    features = dict(input_ids=ids, assistant_mask=mask, length=ints, first_loss=ints)
+    features["dropped"] = datasets.Value("string")
     return records.map(
         _tokenize_batch,
         batched=True,
         with_indices=True,
         remove_columns=records.column_names,
         fn_kwargs={"tokenizer": tokenizer, "chat": chat, "template": template},
-        features=features,
+        features=datasets.Features(features),
         num_proc=num_proc,
         new_fingerprint=fingerprint,
         cache_file_name=cache_file,
@@ -248,33 +245,30 @@ def tokenize_records(
     )
 
 
-def _tokenize_batch(batch: dict, indices: list[int], tokenizer: Any, chat: ChatFormat,
-                    template: str) -> dict:
-    out: dict[str, list] = {k: [] for k in ("input_ids", "assistant_mask", "length",
-                                            "first_loss", "dropped")}
+def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, chat: ChatFormat, template: str):
+    rows = []
     for row, index in enumerate(indices):
         messages = chat.read({column: values[row] for column, values in batch.items()}, index)
         reason = drop_reason(messages)
-        ids, mask = ([], []) if reason else tokenize_conversation(
-            tokenizer, messages, template, index
+        ids, mask = (
+            ([], []) if reason else tokenize_conversation(tokenizer, messages, template, index)
         )
-        out["input_ids"].append(ids)
-        out["assistant_mask"].append(mask)
-        out["length"].append(len(ids))
-        out["first_loss"].append(next((j for j in range(1, len(mask)) if mask[j]), len(ids)))
-        out["dropped"].append(reason or "")
-    return out
+        first = next((j for j in range(1, len(mask)) if mask[j]), len(ids))
+        rows.append((ids, mask, len(ids), first, reason or ""))
+    names = ("input_ids", "assistant_mask", "length", "first_loss", "dropped")
+    return {name: [r[k] for r in rows] for k, name in enumerate(names)}
 
 
 @rank_zero_only
 def _log_stats(stats: Mapping[str, Any]) -> None:
-    train = stats["train"]
+    train, val = stats["train"], stats.get("val")
     log.info(
-        "SFT data: %d samples, %d training rows of %d samples (%d tokens, packing efficiency "
-        "%.1f%%)%s", stats["samples"], train["rows"], train["samples"], train["tokens"],
-        100 * train["packing_efficiency"],
-        f", {stats['val']['rows']} validation rows" if "val" in stats else "",
+        f"SFT data: {stats['samples']} samples; training: {train['samples']} samples in "
+        f"{train['rows']} rows, {train['tokens']} tokens, packing efficiency "
+        f"{train['packing_efficiency']:.1%}" + (f"; validation: {val['rows']} rows" if val else "")
     )
     if stats["dropped"] or stats["truncated"]:
-        log.warning("SFT data: dropped %s, truncated %d of %d samples",
-                    stats["dropped"] or "none", stats["truncated"], stats["samples"])
+        log.warning(
+            f"SFT data: dropped {stats['dropped'] or 'none'}, truncated {stats['truncated']} "
+            f"of {stats['samples']} samples"
+        )

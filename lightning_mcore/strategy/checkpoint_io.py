@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import multiprocessing as mp
+import queue
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,16 +92,15 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _fork_results_queue() -> None:
+def _results_queue(async_save: bool) -> None:
     """mcore's default queue for write results is a spawn-context Manager queue
     (filesystem_async._results_queue): ~12 s to start, and spawning re-imports __main__, so an
-    unguarded training script starts again inside the save. Results are put by this process
-    (synchronous save) or by a child forked from it (async save), so a fork-context queue,
-    made before any fork, does the same job."""
+    unguarded training script starts again inside the save. A synchronous save puts its results
+    in this very process (a plain queue; a multiprocessing queue may still look empty right
+    after the put); an async save puts them from a child forked after this point."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = mp.get_context("fork").Queue()
+    filesystem_async._results_queue = mp.get_context("fork").Queue() if async_save else queue.Queue()
 
 
 def save(path: Path, common: dict, chunks, optimizer, rank: int,
@@ -112,7 +112,7 @@ def save(path: Path, common: dict, chunks, optimizer, rank: int,
     """
     from megatron.core import dist_checkpointing
 
-    _fork_results_queue()
+    _results_queue(options.async_save)
     path = Path(path)
     tmp = temporary_path(path)
     if rank == 0:
