@@ -1,5 +1,6 @@
 """Train and fine-tune LLMs with Megatron-Core parallelism from plain Lightning."""
 
+from lightning_mcore.callbacks import HFExport
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.pretrain import PretrainModule
@@ -10,6 +11,7 @@ from lightning_mcore.strategy.parallel import BatchConfig, LayoutError, Parallel
 __all__ = [
     "BatchConfig",
     "GPTConfig",
+    "HFExport",
     "LayoutError",
     "MegatronModule",
     "MegatronStrategy",

@@ -3,9 +3,12 @@
     lightning-mcore fit --config configs/quickstart.yaml
     lightning-mcore fit --config configs/quickstart.yaml --trainer.max_steps 10
     lightning-mcore fit --config configs/quickstart.yaml --print_config
+    lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out
 """
 
 from __future__ import annotations
+
+import sys
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
@@ -28,6 +31,11 @@ class MegatronCLI(LightningCLI):
 
 
 def main(args=None) -> None:
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["export"]:  # a checkpoint to an HF directory: no Trainer, no training code
+        from lightning_mcore.hf.from_checkpoint import main as export_main
+
+        return export_main(argv[1:])
     MegatronCLI(args=args)
 
 

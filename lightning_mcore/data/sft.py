@@ -19,10 +19,20 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import Dataset
 
 from lightning_mcore.data import preprocess
-from lightning_mcore.data.chat import ChatFormat, drop_reason, resolve_template
-from lightning_mcore.data.chat import tokenize_conversation
+from lightning_mcore.data.chat import (
+    ChatFormat,
+    drop_reason,
+    resolve_template,
+    tokenize_conversation,
+)
 from lightning_mcore.data.feeding import DataParallelDataModule
-from lightning_mcore.data.packing import TRUNCATION, build_row, efficiency, fit_samples, pack
+from lightning_mcore.data.packing import (
+    TRUNCATION,
+    build_row,
+    efficiency,
+    fit_samples,
+    pack,
+)
 
 log = logging.getLogger(__name__)
 

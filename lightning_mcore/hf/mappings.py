@@ -23,7 +23,14 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_mcore.hf.transforms import QKV, GateUp, Replicated, Split, Transform, Vocab
+from lightning_mcore.hf.transforms import (
+    QKV,
+    GateUp,
+    Replicated,
+    Split,
+    Transform,
+    Vocab,
+)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -54,8 +55,9 @@ def layer_spec(cfg: GPTConfig, use_te: bool):
     return spec
 
 
-def build_chunks(cfg: GPTConfig, tf_config, use_te: bool) -> list[GPTModel]:
-    """The GPTModel chunks this rank owns, in virtual-stage order."""
+def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional[int] = None) -> list[GPTModel]:
+    """The GPTModel chunks this rank owns, in virtual-stage order (`padded_vocab`: the
+    embedding rows, by default the vocab padded for this tensor-parallel size)."""
     spec = layer_spec(cfg, use_te)
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tp = tf_config.tensor_model_parallel_size
@@ -70,7 +72,7 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool) -> list[GPTModel]:
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=block,
-            vocab_size=cfg.padded_vocab_size(tp),
+            vocab_size=padded_vocab or cfg.padded_vocab_size(tp),
             max_sequence_length=cfg.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

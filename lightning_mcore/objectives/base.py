@@ -19,9 +19,11 @@ from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
 class MegatronModule(L.LightningModule):
-    """`model` is a GPTConfig (train from scratch) or the path of a Hugging Face checkpoint
-    directory (its config.json gives the architecture, its safetensors the weights);
-    `model_overrides` changes config fields of a checkpoint (e.g. seq_length)."""
+    """`model` is a GPTConfig (train from scratch), the path of a Hugging Face checkpoint
+    directory (its config.json gives the architecture, its safetensors the weights), or a
+    checkpoint directory saved by MegatronStrategy (fine-tuning: its weights only, at any
+    layout; the optimizer, step count and data position start fresh). `model_overrides`
+    changes config fields (e.g. seq_length)."""
 
     def __init__(
         self,
@@ -30,21 +32,31 @@ class MegatronModule(L.LightningModule):
         model_overrides: Optional[dict] = None,
     ) -> None:
         super().__init__()
-        if isinstance(model, (str, os.PathLike)):
+        from lightning_mcore.strategy import checkpoint_io
+
+        # hf_path: the HF directory behind the model (tokenizer and config travel into exports);
+        # init_checkpoint: a MegatronStrategy checkpoint whose weights the model starts from.
+        self.hf_path: Optional[str] = None
+        self.init_checkpoint: Optional[str] = None
+        if isinstance(model, (str, os.PathLike)) and checkpoint_io.is_checkpoint(model):
+            saved = checkpoint_io.read_saved_model(model)
+            self.init_checkpoint, self.hf_path, self.hf_family = str(model), saved.hf_path, saved.hf_family
+            self.model_config = dataclasses.replace(saved.config, **(model_overrides or {}))
+        elif isinstance(model, (str, os.PathLike)):
             from lightning_mcore.hf.config import gpt_config_from_hf
 
-            self.hf_path: Optional[str] = str(model)
+            self.hf_path = str(model)
             self.model_config, self.hf_family = gpt_config_from_hf(model, **(model_overrides or {}))
         elif isinstance(model, GPTConfig):
             from lightning_mcore.hf.mappings import family_of
 
             if model_overrides:
                 model = dataclasses.replace(model, **model_overrides)
-            self.hf_path, self.model_config, self.hf_family = None, model, family_of(model)
+            self.model_config, self.hf_family = model, family_of(model)
         else:
             raise TypeError(
-                f"model must be a GPTConfig or a Hugging Face checkpoint directory, got "
-                f"{type(model).__name__}."
+                f"model must be a GPTConfig, a Hugging Face checkpoint directory or a "
+                f"MegatronStrategy checkpoint directory, got {type(model).__name__}."
             )
         self.optim = optim or OptimizerSettings()
         self.chunks: Optional[torch.nn.ModuleList] = None
@@ -63,13 +75,19 @@ class MegatronModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.chunks is None:
-            chunks = self._strategy().build_gpt(self.model_config, self.hf_path, self.hf_family)
+            strategy = self._strategy()
+            if self.init_checkpoint is not None:
+                chunks = strategy.build_gpt(self.model_config, checkpoint=self.init_checkpoint)
+            else:
+                chunks = strategy.build_gpt(self.model_config, self.hf_path, self.hf_family)
             self.chunks = torch.nn.ModuleList(chunks)
 
-    def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30):
+    def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30, mode: str = "full"):
         """Write the model as a Hugging Face directory (collective: call on every rank)."""
         from lightning_mcore.hf.export import export_hf
 
+        if mode != "full":
+            raise ValueError(f"mode={mode!r} needs LoRA adapters on the model; use mode='full'.")
         strategy = self._strategy()
         padded = self.model_config.padded_vocab_size(strategy.parallel.tensor_model_parallel_size)
         return export_hf(list(self.chunks), self.model_config, self.hf_family, directory, padded,

@@ -139,25 +139,68 @@ def save(path: Path, common: dict, chunks, optimizer, rank: int,
     return request
 
 
-def read_common(path: Path, model_config) -> dict:
-    """Lightning's part of the checkpoint, after checking it is one of ours for this model."""
-    path = Path(path)
+def is_checkpoint(path) -> bool:
+    return (Path(path) / COMMON).is_file() and (Path(path) / WEIGHTS).is_dir()
+
+
+def _load_common(path: Path) -> dict:
     if not path.exists():
         raise CheckpointLoadError(f"ckpt_path {path} does not exist.")
-    if not (path / COMMON).is_file() or not (path / WEIGHTS).is_dir():
+    if not is_checkpoint(path):
         raise CheckpointLoadError(
             f"ckpt_path {path} is not a MegatronStrategy checkpoint (expected a directory with "
             f"{COMMON} and {WEIGHTS}/)."
         )
-    common = torch.load(path / COMMON, map_location="cpu", weights_only=False)
+    return torch.load(path / COMMON, map_location="cpu", weights_only=False)
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """What a checkpoint says about its model: enough to rebuild it without training code."""
+
+    config: Any  # GPTConfig
+    hf_family: str
+    hf_path: Any  # the HF directory the run started from (tokenizer, generation config), or None
+    dtype: torch.dtype
+    padded_vocab_size: int  # embedding rows as saved (the vocab is padded per TP size)
+
+
+def read_saved_model(path) -> SavedModel:
+    from lightning_mcore.model.config import GPTConfig
+
+    extra = _load_common(Path(path)).get("megatron", {})
+    config = GPTConfig(**extra["model_config"])
+    return SavedModel(config, extra.get("hf_family"), extra.get("hf_path"),
+                      getattr(torch, extra.get("dtype", "float32")), _saved_padded_vocab(extra, config))
+
+
+def _saved_padded_vocab(extra: dict, config) -> int:
+    return config.padded_vocab_size(extra.get("parallel", {}).get("tensor_model_parallel_size", 1))
+
+
+def read_common(path: Path, model_config, tensor_parallel_size: int = 1) -> dict:
+    """Lightning's part of the checkpoint, after checking it is one of ours for this model."""
+    path = Path(path)
+    common = _load_common(path)
     saved = common.get("megatron", {}).get("model_config", {})
     current = dataclasses.asdict(model_config)
-    ignore = {"transformer_impl", "recompute_granularity", "recompute_num_layers", "extra"}
+    # Fields that do not change the weights: a resumed or fine-tuned run may set them anew.
+    ignore = {"transformer_impl", "recompute_granularity", "recompute_num_layers", "extra",
+              "seq_length", "attention_dropout", "hidden_dropout"}
     differ = [f"{k}: checkpoint {saved.get(k)!r} vs model {v!r}" for k, v in current.items()
               if k not in ignore and k in saved and saved[k] != v]
     if differ:
         raise CheckpointLoadError(
             f"ckpt_path {path} was saved with a different model config: " + "; ".join(differ) + "."
+        )
+    rows = model_config.padded_vocab_size(tensor_parallel_size)
+    saved_rows = _saved_padded_vocab(common.get("megatron", {}), model_config)
+    if saved_rows != rows:
+        raise CheckpointLoadError(
+            f"ckpt_path {path} pads the vocab ({model_config.vocab_size}) to {saved_rows} rows, "
+            f"tensor_model_parallel_size={tensor_parallel_size} pads it to {rows}: set "
+            f"make_vocab_size_divisible_by so that both sizes agree (e.g. a multiple of "
+            f"{model_config.make_vocab_size_divisible_by} * the larger TP size)."
         )
     return common
 

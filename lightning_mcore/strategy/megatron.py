@@ -34,7 +34,11 @@ from lightning_mcore.strategy.optimizer import (
     build_lr_scheduler,
     build_megatron_optimizer,
 )
-from lightning_mcore.strategy.parallel import BatchConfig, ParallelConfig, validate_layout
+from lightning_mcore.strategy.parallel import (
+    BatchConfig,
+    ParallelConfig,
+    validate_layout,
+)
 
 _PRECISIONS = {
     "32-true": torch.float32,
@@ -199,19 +203,29 @@ class MegatronStrategy(DDPStrategy):
         use_te = model_config.uses_te("cpu" if self.on_cpu else "gpu")
         return to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu, use_te)
 
-    def build_gpt(self, model_config, hf_path=None, hf_family: Optional[str] = None) -> list:
-        """This rank's GPTModel chunks: weights read from an HF checkpoint (only this rank's
-        slices), or drawn so that they do not depend on the parallel layout."""
+    def build_gpt(self, model_config, hf_path=None, hf_family: Optional[str] = None,
+                  checkpoint=None) -> list:
+        """This rank's GPTModel chunks: weights read from an HF checkpoint or from one of our
+        checkpoints (only this rank's slices, any saved layout), or drawn so that they do not
+        depend on the parallel layout."""
         from lightning_mcore.model.build import build_chunks
         from lightning_mcore.model.init import init_layout_invariant
 
         self._tf_config = self.transformer_config(model_config)
         use_te = model_config.uses_te("cpu" if self.on_cpu else "gpu")
+        if checkpoint is not None:
+            from lightning_mcore.strategy import checkpoint_io
+
+            checkpoint_io.read_common(checkpoint, model_config, self.parallel.tensor_model_parallel_size)
         with self.mcore_context():
             chunks = build_chunks(model_config, self._tf_config, use_te)
             for chunk in chunks:
                 chunk.to(self.root_device)
-            if hf_path is None:
+            if checkpoint is not None:
+                from lightning_mcore.strategy import checkpoint_io
+
+                checkpoint_io.load_model(checkpoint, chunks)
+            elif hf_path is None:
                 init_layout_invariant(chunks, model_config, self.seed)
             else:
                 from lightning_mcore.hf.load import load_hf_weights
@@ -289,8 +303,11 @@ class MegatronStrategy(DDPStrategy):
         self.model = module
 
     def _wrap_chunks(self, chunks: torch.nn.ModuleList) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         p = self.parallel
         ddp_config = DistributedDataParallelConfig(
@@ -447,7 +464,9 @@ class MegatronStrategy(DDPStrategy):
                 self.checkpoint_options,
             )
             if request is not None:
-                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+                from megatron.core.dist_checkpointing.strategies.async_utils import (
+                    AsyncCallsQueue,
+                )
 
                 self._async_saves = self._async_saves or AsyncCallsQueue()
                 self._async_saves.schedule_async_request(request)
@@ -462,7 +481,8 @@ class MegatronStrategy(DDPStrategy):
         from lightning_mcore.strategy import checkpoint_io
 
         self._loading_path = Path(checkpoint_path)
-        common = checkpoint_io.read_common(self._loading_path, self.lightning_module.model_config)
+        common = checkpoint_io.read_common(self._loading_path, self.lightning_module.model_config,
+                                           self.parallel.tensor_model_parallel_size)
         return {**common, "state_dict": {}, "optimizer_states": [{}]}
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

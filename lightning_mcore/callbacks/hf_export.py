@@ -1,0 +1,52 @@
+"""HFExport: write the model as a Hugging Face directory during and at the end of training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import lightning as L
+
+
+class HFExport(L.Callback):
+    """Every `every_n_train_steps` optimizer steps and/or at the end of training, write
+    `dirpath/step=N` (a complete HF directory, written to a temporary name then renamed).
+
+    `mode`: "full" (the whole model, loadable by transformers), "peft" (a LoRA run's adapter,
+    loadable by peft) or "merged" (LoRA merged into the base weights).
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        every_n_train_steps: Optional[int] = None,
+        at_end: bool = True,
+        mode: Literal["full", "peft", "merged"] = "full",
+        max_shard_bytes: int = 5 * 2**30,
+    ) -> None:
+        if every_n_train_steps is not None and every_n_train_steps <= 0:
+            raise ValueError(f"every_n_train_steps must be a positive int or None, got {every_n_train_steps}.")
+        if mode not in ("full", "peft", "merged"):
+            raise ValueError(f"mode must be 'full', 'peft' or 'merged', got {mode!r}.")
+        self.dirpath, self.every, self.at_end = Path(dirpath), every_n_train_steps, at_end
+        self.mode, self.max_shard_bytes = mode, max_shard_bytes
+        self.last_export: Optional[Path] = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.mode != "full" and getattr(pl_module, "lora", None) is None:
+            raise ValueError(f"HFExport(mode={self.mode!r}) needs a module trained with LoRA; use mode='full'.")
+
+    def _export(self, trainer, pl_module) -> None:
+        path = self.dirpath / f"step={trainer.global_step}"
+        if path == self.last_export:
+            return  # the last step was already exported by the every-N rule
+        pl_module.save_hf_checkpoint(path, max_shard_bytes=self.max_shard_bytes, mode=self.mode)
+        self.last_export = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.every and trainer.global_step % self.every == 0:
+            self._export(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.at_end:
+            self._export(trainer, pl_module)

@@ -1,0 +1,92 @@
+"""`lightning-mcore export`: a MegatronStrategy checkpoint to a Hugging Face directory.
+
+Needs no training code: the checkpoint's common.pt names the model config and HF family, the
+model is rebuilt in this process as one unsharded stage on CPU (gloo, world size 1) and
+dist_checkpointing reshards whatever layout the checkpoint was saved with into it.
+
+    lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def single_process_megatron():
+    """torch.distributed + mcore parallel_state for one CPU process, torn down afterwards."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from lightning_mcore.strategy.cpu import CpuCompat
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "export_checkpoint starts its own single-process group; call it outside a "
+            "distributed run (e.g. `lightning-mcore export`), or use the HFExport callback in one."
+        )
+    compat = CpuCompat()
+    compat.install()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True,
+                                                        force_reset_rng=True)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        compat.uninstall()
+
+
+def export_checkpoint(
+    checkpoint: str,
+    output: str,
+    source: Optional[str] = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write the model of a MegatronStrategy checkpoint as a Hugging Face directory.
+
+    Args:
+        checkpoint: a checkpoint directory written by MegatronStrategy (e.g. ``last.ckpt``).
+        output: the HF directory to write (written to a temporary name, then renamed).
+        source: an HF directory whose tokenizer and generation config are copied; defaults to
+            the one the training run started from, when it still exists.
+        max_shard_bytes: size limit of each ``model-0000N-of-0000M.safetensors`` shard.
+    """
+    from lightning_mcore.hf.export import export_hf
+    from lightning_mcore.model.build import build_chunks
+    from lightning_mcore.model.config import to_transformer_config
+    from lightning_mcore.strategy import checkpoint_io
+    from lightning_mcore.strategy.cpu import cuda_on_cpu
+    from lightning_mcore.strategy.parallel import ParallelConfig
+
+    saved = checkpoint_io.read_saved_model(checkpoint)  # clear errors before any set-up
+    if source is None and saved.hf_path and Path(saved.hf_path).is_dir():
+        source = saved.hf_path
+    with single_process_megatron(), cuda_on_cpu():
+        tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,
+                                          on_cpu=True, use_te=False)
+        chunks = build_chunks(saved.config, tf_config, use_te=False, padded_vocab=saved.padded_vocab_size)
+        checkpoint_io.load_model(checkpoint, chunks)
+        export_hf(chunks, saved.config, saved.hf_family, output, saved.padded_vocab_size,
+                  source_dir=source, max_shard_bytes=max_shard_bytes)
+    return Path(output)
+
+
+def main(args=None) -> None:
+    from jsonargparse import CLI
+
+    from lightning_mcore.strategy.checkpoint_io import CheckpointLoadError
+
+    try:
+        CLI(export_checkpoint, args=args, as_positional=False)
+    except CheckpointLoadError as error:  # a user mistake: the message, not a traceback
+        raise SystemExit(f"lightning-mcore export: error: {error}") from None
+
+
+if __name__ == "__main__":
+    main()
