@@ -18,6 +18,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from lightning_mcore.model.packing import block_causal_mask
+
 
 class SDPAttention(MegatronModule):
     def __init__(
@@ -52,15 +54,17 @@ class SDPAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError(
-                "SDPAttention takes no packed_seq_params/attention_bias; pass a block-diagonal "
-                "attention_mask instead, or use the Transformer Engine spec."
-            )
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention takes no attention_bias; use the Transformer Engine spec.")
+        mask = None if attention_mask is None else ~attention_mask
+        if packed_seq_params is not None:
+            # THD: [t, heads, d] holding several sequences; attend within each, causally. The
+            # [t, t] mask is fine for the CPU/local path; on GPU, TE's THD kernels do this.
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+            mask = block_causal_mask(packed_seq_params.cu_seqlens_q)
         sq, b = query.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
         mask_type = attn_mask_type or self.attn_mask_type
-        mask = None if attention_mask is None else ~attention_mask
         is_causal = mask is None and mask_type == AttnMaskType.causal
         dropout = self.dropout_p if self.training else 0.0
         rng = (
@@ -73,6 +77,7 @@ class SDPAttention(MegatronModule):
                 q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                 scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1),
             )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        out = out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        return out.squeeze(1) if packed_seq_params is not None else out
 
 

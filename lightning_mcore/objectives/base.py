@@ -96,13 +96,17 @@ class MegatronModule(L.LightningModule):
     def configure_optimizers(self):
         return self._strategy().megatron_optimizer(self.optim)
 
+    # A module whose forward_step sends microbatches as packed THD rows sets this.
+    packed_sequences: bool = False
+
     def forward_step(self, batch: dict, chunk: torch.nn.Module):
         """(output, loss_fn) for one microbatch through one chunk, as mcore's schedule expects."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ steps
     def training_step(self, batch: dict, batch_idx: int):
-        metrics = self._strategy().forward_backward(batch, self.forward_step)
+        metrics = self._strategy().forward_backward(batch, self.forward_step,
+                                                    packed=self.packed_sequences)
         self.log_dict(
             {f"train/{k}": v for k, v in metrics.items()}, prog_bar=False, batch_size=1
         )
@@ -114,7 +118,8 @@ class MegatronModule(L.LightningModule):
         return self._strategy().forward_logits(batch["tokens"], batch.get("position_ids"))
 
     def validation_step(self, batch: dict, batch_idx: int):
-        metrics = self._strategy().forward_backward(batch, self.forward_step, forward_only=True)
+        metrics = self._strategy().forward_backward(batch, self.forward_step, forward_only=True,
+                                                    packed=self.packed_sequences)
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, prog_bar=True, batch_size=1)
         return metrics["loss"]
 

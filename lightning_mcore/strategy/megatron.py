@@ -368,11 +368,14 @@ class MegatronStrategy(DDPStrategy):
         batch: dict,
         forward_step: Callable[[dict, torch.nn.Module], tuple],
         forward_only: bool = False,
+        packed: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Run mcore's schedule over the batch's microbatches; return reduced metrics.
 
         `forward_step(microbatch, chunk)` returns (output, loss_fn) as mcore expects. Metrics
-        come back as per-token means over the global batch on every rank.
+        come back as per-token means over the global batch on every rank. `packed`: the
+        forward step sends each [micro_batch, seq] microbatch through the model as one THD row
+        of micro_batch * seq tokens (model/packing.py), which sets the pipeline's tensor shape.
         """
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -398,8 +401,8 @@ class MegatronStrategy(DDPStrategy):
                 data_iterator=iters if len(iters) > 1 else iters[0],
                 model=chunks,
                 num_microbatches=len(micro),
-                seq_length=seq_length,
-                micro_batch_size=self.batch.micro_batch_size,
+                seq_length=seq_length * self.batch.micro_batch_size if packed else seq_length,
+                micro_batch_size=1 if packed else self.batch.micro_batch_size,
                 forward_only=forward_only,
             )
             dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
