@@ -113,6 +113,19 @@ class MegatronModule(L.LightningModule):
         self.log("loss", metrics["loss"], prog_bar=True, logger=False, batch_size=1)
         return metrics["loss"]
 
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, stop: Optional[list[int]] = None) -> list[int]:
+        """Greedy continuation of one prompt, without a KV cache (each token re-runs the
+        whole sequence): for checks and demos, not serving. Collective: call on every rank;
+        every rank returns the same tokens. Stops after any token in `stop`."""
+        tokens = list(prompt)
+        for _ in range(max_new_tokens):
+            logits = self._strategy().forward_logits(torch.tensor([tokens]))
+            tokens.append(int(logits[0, -1, : self.model_config.vocab_size].argmax()))
+            if stop and tokens[-1] in stop:
+                break
+        return tokens[len(prompt):]
+
     def predict_step(self, batch: dict, batch_idx: int):
         """Full-vocabulary logits [batch, seq, vocab] of batch["tokens"] (on every rank)."""
         return self._strategy().forward_logits(batch["tokens"], batch.get("position_ids"))
