@@ -4,12 +4,15 @@ from lightning_mcore.callbacks import HFExport
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.pretrain import PretrainModule
+from lightning_mcore.objectives.sft import SFTModule
+from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.megatron import MegatronStrategy
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 from lightning_mcore.strategy.parallel import BatchConfig, LayoutError, ParallelConfig
 
 __all__ = [
     "BatchConfig",
+    "CheckpointOptions",
     "GPTConfig",
     "HFExport",
     "LayoutError",
@@ -18,5 +21,6 @@ __all__ = [
     "OptimizerSettings",
     "ParallelConfig",
     "PretrainModule",
+    "SFTModule",
 ]
 __version__ = "0.1.0"
