@@ -30,10 +30,10 @@ def samples():
     return out
 
 
-def run(tmp_path, name, rows, module_cls, devices=1, **parallel):
+def run(tmp_path, name, rows, module_cls, devices=1, config=None, **parallel):
     optim = OptimizerSettings(lr=1.0, optimizer="sgd", clip_grad=0.0, weight_decay=0.0)
     losses = fit(tmp_path, devices=devices, steps=1, gbs=len(rows), mbs=2, optim=optim,
-                 config=tiny_config(seq_length=SEQ), dataset=rows, dump_weights=True, name=name,
+                 config=config or tiny_config(seq_length=SEQ), dataset=rows, dump_weights=True, name=name,
                  module_cls=module_cls, **parallel)
     return losses[0], assemble(sorted(tmp_path.glob(f"{name}.end*.pt")))
 

@@ -92,17 +92,19 @@ def assemble(paths) -> dict:
 def fit(tmp_path: Path, devices: int = 1, steps: int = 3, gbs: int = 8, mbs: int = 2,
         config: GPTConfig | None = None, optim: OptimizerSettings | None = None,
         dataset: Dataset | None = None, dump_weights: bool = False, name: str = "run",
-        module_cls=PretrainModule, **parallel) -> list[float]:
+        module_cls=PretrainModule, accelerator: str = "cpu", precision: str = "32-true",
+        start_method: str = "fork", **parallel) -> list[float]:
     """Train `steps` optimizer steps with fork-launched gloo ranks; return rank 0's losses."""
     config = config or tiny_config()
     strategy = MegatronStrategy(global_batch_size=gbs, micro_batch_size=mbs,
-                                start_method="fork", **parallel)
+                                start_method=start_method, **parallel)
     tp = parallel.get("tensor_model_parallel_size", 1)
     pp = parallel.get("pipeline_model_parallel_size", 1)
     dp = devices // (tp * pp)
     out = Path(tmp_path) / f"{name}.json"
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        precision=precision,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[RecordLosses(out, dump_weights)],
     )
@@ -124,7 +126,8 @@ class StopAfter(L.Callback):
 
 
 def fit_with_checkpoints(tmp: Path, name: str, devices: int, stop: int = None, ckpt_path=None,
-                         config=None, checkpoint=None, start_method="fork", **parallel):
+                         config=None, checkpoint=None, start_method="fork", accelerator="cpu",
+                         **parallel):
     """6 steps of the tiny model on the sample text, checkpoints every 3 steps (+ last.ckpt);
     returns rank 0's per-step losses."""
     out = tmp / f"{name}.json"
@@ -133,7 +136,7 @@ def fit_with_checkpoints(tmp: Path, name: str, devices: int, stop: int = None, c
     if stop:
         callbacks.append(StopAfter(stop))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, max_steps=6, logger=False, enable_progress_bar=False,
+        accelerator=accelerator, devices=devices, max_steps=6, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
         strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=2, start_method=start_method,
                                   checkpoint=checkpoint, **parallel),
@@ -143,4 +146,6 @@ def fit_with_checkpoints(tmp: Path, name: str, devices: int, stop: int = None, c
                               shuffle=True, cache_dir=str(tmp / "cache"))
     module = PretrainModule(config or tiny_config(vocab_size=512), OptimizerSettings(lr=1e-3, warmup_steps=2))
     trainer.fit(module, data, ckpt_path=ckpt_path)
+    if trainer.global_rank != 0:  # launched by torchrun: only rank 0 recorded
+        return []
     return json.loads(out.read_text())
