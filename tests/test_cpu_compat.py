@@ -20,16 +20,18 @@ def test_cuda_tensors_land_on_cpu_inside_the_context():
 
 
 def test_install_patches_and_uninstall_restores_torch_cuda():
-    before = (torch.cuda.current_device, torch.cuda.synchronize)
+    before = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream)
     compat = CpuCompat()
     compat.install()
     try:
         assert torch.cuda.current_device() == torch.device("cpu")
         assert torch.cuda.synchronize() is None
+        stream = torch.cuda.current_stream()  # mcore 0.19 DDP: waits and records are no-ops
+        assert stream.wait_stream(stream) is None and stream.query()
         assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
     finally:
         compat.uninstall()
-    assert (torch.cuda.current_device, torch.cuda.synchronize) == before
+    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream) == before
 
 
 def test_backward_inside_the_context_still_computes_gradients():

@@ -21,6 +21,8 @@ MoE (local spec, SequentialMLP experts), patched in mcore's modules while instal
    Engine imports (NameError without it): defined as None, so the torch.mm path runs.
 8. Uneven all-gathers (tokens per rank, alltoall dispatcher with TP) use `dist.all_gather`
    with unequal sizes, which gloo refuses: pad to the longest, gather, trim.
+9. mcore 0.19's DDP orders its gradient reduction after `torch.cuda.current_stream()`: a
+   stream whose waits and records do nothing (CPU work is in program order).
 Torch function modes are not active inside autograd's backward; none of the above is needed
 there (checked by tests/test_cpu_compat.py).
 """
@@ -101,6 +103,28 @@ def _padded_uneven_gather(original):
 _ABSENT = object()
 
 
+class _NoStream:
+    """Stands in for a CUDA stream on CPU: every wait, record and sync is a no-op."""
+
+    def wait_stream(self, *_):
+        pass
+
+    def wait_event(self, *_):
+        pass
+
+    def record_event(self, *_):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_NO_STREAM = _NoStream()
+
+
 class CpuCompat:
     """Installs and removes the process-wide part (torch.cuda functions, mcore MoE helpers)."""
 
@@ -118,6 +142,8 @@ class CpuCompat:
         self._replace(torch.cuda, "current_device", lambda: _CPU)
         # (2) mcore calls torch.cuda.synchronize() in p2p and DDP
         self._replace(torch.cuda, "synchronize", lambda *a, **k: None)
+        # (9) mcore 0.19 DDP asks for the current stream before reducing gradients
+        self._replace(torch.cuda, "current_stream", lambda *a, **k: _NO_STREAM)
         self._install_moe()
 
     def _install_moe(self) -> None:
