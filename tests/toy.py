@@ -93,7 +93,7 @@ def fit(tmp_path: Path, devices: int = 1, steps: int = 3, gbs: int = 8, mbs: int
         config: GPTConfig | None = None, optim: OptimizerSettings | None = None,
         dataset: Dataset | None = None, dump_weights: bool = False, name: str = "run",
         module_cls=PretrainModule, accelerator: str = "cpu", precision: str = "32-true",
-        start_method: str = "fork", **parallel) -> list[float]:
+        start_method: str = "fork", module_kwargs: dict | None = None, **parallel) -> list[float]:
     """Train `steps` optimizer steps with fork-launched gloo ranks; return rank 0's losses."""
     config = config or tiny_config()
     strategy = MegatronStrategy(global_batch_size=gbs, micro_batch_size=mbs,
@@ -108,7 +108,7 @@ def fit(tmp_path: Path, devices: int = 1, steps: int = 3, gbs: int = 8, mbs: int
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[RecordLosses(out, dump_weights)],
     )
-    module = module_cls(config, optim or OptimizerSettings(lr=1e-3))
+    module = module_cls(config, optim or OptimizerSettings(lr=1e-3), **(module_kwargs or {}))
     data = dataset or TokenRows(seq=config.seq_length, vocab=config.vocab_size)
     trainer.fit(module, DataLoader(data, batch_size=gbs // dp))
     return json.loads(out.read_text())

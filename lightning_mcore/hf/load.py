@@ -50,6 +50,8 @@ def chunk_parameters(chunk, entries: list[Entry], cfg, ep: tuple[int, int]):
     per_rank = (cfg.num_moe_experts or 0) // ep[1]
     compiled = [(e.pattern(), e) for e in entries]
     for name, param in model.named_parameters():
+        if name.startswith("lora."):
+            continue  # LoRA adapters: merged into the weights or exported by hf/peft_export.py
         key = local_name(name)
         for pattern, entry in compiled:
             match = pattern.match(key)

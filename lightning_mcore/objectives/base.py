@@ -13,8 +13,11 @@ from typing import Optional, Union
 
 import lightning as L
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
@@ -23,13 +26,15 @@ class MegatronModule(L.LightningModule):
     directory (its config.json gives the architecture, its safetensors the weights), or a
     checkpoint directory saved by MegatronStrategy (fine-tuning: its weights only, at any
     layout; the optimizer, step count and data position start fresh). `model_overrides`
-    changes config fields (e.g. seq_length)."""
+    changes config fields (e.g. seq_length). `lora` trains low-rank adapters on the frozen
+    model; its checkpoints then hold the adapters (and their optimizer state) only."""
 
     def __init__(
         self,
         model: Union[GPTConfig, str],
         optim: Optional[OptimizerSettings] = None,
         model_overrides: Optional[dict] = None,
+        lora: Optional[LoRAConfig] = None,
     ) -> None:
         super().__init__()
         from lightning_mcore.strategy import checkpoint_io
@@ -59,6 +64,7 @@ class MegatronModule(L.LightningModule):
                 f"MegatronStrategy checkpoint directory, got {type(model).__name__}."
             )
         self.optim = optim or OptimizerSettings()
+        self.lora = lora  # LoRA adapters on the frozen base (model/lora.py), or None
         self.chunks: Optional[torch.nn.ModuleList] = None
         self._step_started: Optional[float] = None
 
@@ -74,24 +80,50 @@ class MegatronModule(L.LightningModule):
         return strategy
 
     def configure_model(self) -> None:
-        if self.chunks is None:
-            strategy = self._strategy()
-            if self.init_checkpoint is not None:
-                chunks = strategy.build_gpt(self.model_config, checkpoint=self.init_checkpoint)
-            else:
-                chunks = strategy.build_gpt(self.model_config, self.hf_path, self.hf_family)
-            self.chunks = torch.nn.ModuleList(chunks)
+        if self.chunks is not None:
+            return
+        strategy = self._strategy()
+        if self.init_checkpoint is not None:
+            chunks = strategy.build_gpt(self.model_config, checkpoint=self.init_checkpoint)
+        else:
+            chunks = strategy.build_gpt(self.model_config, self.hf_path, self.hf_family)
+        if self.lora is not None:
+            from lightning_mcore.model.lora import apply_lora
+
+            apply_lora(chunks, self.lora, strategy.seed)
+            trainable = _count_parameters(chunks, trainable_only=True)
+            total = _count_parameters(chunks)
+            rank_zero_info(f"LoRA: {trainable:,} trainable parameters, {total:,} in the model "
+                           f"({100 * trainable / total:.3f}%).")
+            self.lora_trainable_parameters = trainable
+        self.chunks = torch.nn.ModuleList(chunks)
 
     def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30, mode: str = "full"):
-        """Write the model as a Hugging Face directory (collective: call on every rank)."""
-        from lightning_mcore.hf.export import export_hf
+        """Write the model as a Hugging Face directory (collective: call on every rank).
 
-        if mode != "full":
+        `mode`: "full" (the model as trained: with LoRA, adapters merged into a copy of the
+        weights), "merged" (the same, LoRA only) or "peft" (the LoRA adapter directory)."""
+        from lightning_mcore.hf.export import export_hf
+        from lightning_mcore.model.lora import set_merged
+
+        if mode not in ("full", "merged", "peft"):
+            raise ValueError(f"mode must be 'full', 'merged' or 'peft', got {mode!r}.")
+        if mode != "full" and self.lora is None:
             raise ValueError(f"mode={mode!r} needs LoRA adapters on the model; use mode='full'.")
         strategy = self._strategy()
+        chunks = list(self.chunks)
         padded = self.model_config.padded_vocab_size(strategy.parallel.tensor_model_parallel_size)
-        return export_hf(list(self.chunks), self.model_config, self.hf_family, directory, padded,
-                         source_dir=self.hf_path, max_shard_bytes=max_shard_bytes)
+        if mode == "peft":
+            from lightning_mcore.hf.peft_export import export_peft
+
+            return export_peft(chunks, self.model_config, self.hf_family, self.lora, directory,
+                               base_model=self.hf_path)
+        set_merged(chunks, True)
+        try:
+            return export_hf(chunks, self.model_config, self.hf_family, directory, padded,
+                             source_dir=self.hf_path, max_shard_bytes=max_shard_bytes)
+        finally:
+            set_merged(chunks, False)
 
     def configure_optimizers(self):
         return self._strategy().megatron_optimizer(self.optim)
@@ -148,3 +180,24 @@ class MegatronModule(L.LightningModule):
         if optimizer.last_grad_norm is not None:
             logs["train/grad_norm"] = optimizer.last_grad_norm
         self.log_dict(logs, batch_size=1)
+
+
+def _count_parameters(chunks, trainable_only: bool = False) -> int:
+    """Parameters of the whole model: TP shards summed, TP-replicated tensors counted once,
+    stages summed over the pipeline (a tied output layer on the last stage counts again)."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    mine = sum(p.numel() for c in chunks for p in c.parameters()
+               if (p.requires_grad or not trainable_only)
+               and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False) or _is_lora_shard(p)))
+    mine = torch.tensor(float(mine))
+    if dist.is_initialized():
+        for group in (parallel_state.get_tensor_model_parallel_group(),
+                      parallel_state.get_pipeline_model_parallel_group()):
+            dist.all_reduce(mine, group=group)
+    return int(mine.item())
+
+
+def _is_lora_shard(p) -> bool:
+    return getattr(p, "lora_sharded", False)

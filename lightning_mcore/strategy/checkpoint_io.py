@@ -58,11 +58,21 @@ def temporary_path(path: Path) -> Path:
 
 def model_sharded_state_dict(chunks) -> dict:
     """Keys of the bare GPTModel chunks: Lightning restores weights before the strategy wraps
-    the chunks in DDP and the optimizer after, so the wrapper's "module." prefix is left out."""
+    the chunks in DDP and the optimizer after, so the wrapper's "module." prefix is left out.
+    A chunk with LoRA adapters contributes its adapters only: the base is frozen and comes from
+    its own source (HF directory or checkpoint) when the run starts."""
     models = [getattr(chunk, "module", chunk) for chunk in chunks]
+    states = [_model_state(model) for model in models]
     if len(models) == 1:
-        return {"model": models[0].sharded_state_dict()}
-    return {f"model{i}": model.sharded_state_dict() for i, model in enumerate(models)}
+        return {"model": states[0]}
+    return {f"model{i}": state for i, state in enumerate(states)}
+
+
+def _model_state(model) -> dict:
+    state = model.sharded_state_dict()
+    if getattr(model, "lora", None) is not None:
+        state = {k: v for k, v in state.items() if k.startswith("lora.")}
+    return state
 
 
 def sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
@@ -211,7 +221,12 @@ def load_model(path: Path, chunks) -> None:
     state = model_sharded_state_dict(chunks)
     loaded = dist_checkpointing.load(state, str(Path(path) / WEIGHTS))
     for key, chunk in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
-        getattr(chunk, "module", chunk).load_state_dict(loaded[key], strict=True)
+        model = getattr(chunk, "module", chunk)
+        adapters_only = getattr(model, "lora", None) is not None
+        missing, unexpected = model.load_state_dict(loaded[key], strict=not adapters_only)
+        missing = [k for k in missing if k.startswith("lora.")]
+        if missing or unexpected:
+            raise CheckpointLoadError(f"{path}: missing keys {missing}, unexpected keys {unexpected}.")
 
 
 def load_optimizer(path: Path, chunks, optimizer) -> None:

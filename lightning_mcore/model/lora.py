@@ -1,0 +1,260 @@
+"""LoRA adapters on mcore's tensor-parallel linears (local spec and Transformer Engine spec).
+
+y = W x + scale * B A x, with scale = alpha / r (rsLoRA: alpha / sqrt(r)). Which of A and B is
+sharded follows the base layer, so no rank ever holds a full base-sized product:
+
+    column-parallel (linear_qkv, linear_fc1): W [out/tp, in]   A [r, in] replicated, B [out/tp, r]
+        h = A x, then copy to TP ranks (backward all-reduce) or, with sequence parallel,
+        all-gather h over the sequence (A's gradient is then per sequence shard: summed over TP
+        by mcore's finalize_model_grads, as for norms)
+    row-parallel (linear_proj, linear_fc2):   W [out, in/tp]   A [r, in/tp], B [out, r] replicated
+        h = A x is partial: all-reduce it (sequence parallel: reduce-scatter over the sequence,
+        and B's gradient is summed over TP like A's above)
+
+Adapters live in one `lora` submodule per model chunk (keys carry the global layer number, so
+checkpoints reshard across PP) and run from forward hooks on the base layers, whose own
+parameters, names and checkpoint keys stay untouched and frozen. Only adapter parameters reach
+mcore's DDP buffers and optimizer. TE's fused LayerNorm+Linear returns its normalised input
+(`return_layernorm_output`), which is what the adapter reads.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import mappings
+
+# mcore module name -> (parallel kind, the HF names it fuses)
+TARGETS = {
+    "linear_qkv": ("column", ("q_proj", "k_proj", "v_proj")),
+    "linear_proj": ("row", ("o_proj",)),
+    "linear_fc1": ("column", ("gate_proj", "up_proj")),
+    "linear_fc2": ("row", ("down_proj",)),
+}
+HF_TO_MCORE = {hf: name for name, (_, hfs) in TARGETS.items() for hf in hfs}
+
+
+class LoRAError(ValueError):
+    """A LoRA configuration that cannot apply to the model."""
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """`target_modules`: "all-linear", or mcore names (linear_qkv, linear_proj, linear_fc1,
+    linear_fc2) and/or HF names (q_proj, ..., down_proj; fused ones come together)."""
+
+    target_modules: Union[str, tuple[str, ...], list[str]] = "all-linear"
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    use_rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise LoRAError(f"LoRA rank must be a positive int, got {self.rank!r}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise LoRAError(f"LoRA dropout must be in [0, 1), got {self.dropout}.")
+        resolve_targets(self.target_modules)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def resolve_targets(target_modules) -> tuple[str, ...]:
+    """mcore module names to adapt, in a fixed order; clear errors for anything else."""
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    if names == ["all-linear"]:
+        return tuple(TARGETS)
+    unknown = [n for n in names if n not in TARGETS and n not in HF_TO_MCORE]
+    if unknown or not names:
+        raise LoRAError(
+            f"LoRA target_modules {unknown or names} match no adaptable layer; available: "
+            f"'all-linear', {', '.join(TARGETS)} (mcore) or {', '.join(HF_TO_MCORE)} (HF)."
+        )
+    chosen = {n if n in TARGETS else HF_TO_MCORE[n] for n in names}
+    for name in chosen:
+        hf = set(TARGETS[name][1])
+        given = hf & set(names)
+        if given and given != hf and name not in names:
+            raise LoRAError(
+                f"mcore fuses {', '.join(sorted(hf))} into {name}: target all of them (or "
+                f"'{name}'), not only {', '.join(sorted(given))}."
+            )
+    return tuple(n for n in TARGETS if n in chosen)
+
+
+class LoRAAdapter(torch.nn.Module):
+    """A, B of one base linear; `forward(x)` is the scaled low-rank update of its output."""
+
+    def __init__(self, kind: str, in_features: int, out_features: int, lora: LoRAConfig,
+                 sequence_parallel: bool, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.kind, self.scale, self.sequence_parallel = kind, lora.scale, sequence_parallel
+        a_in = in_features // tp if kind == "row" else in_features
+        b_out = out_features // tp if kind == "column" else out_features
+        self.lora_A = torch.nn.Parameter(torch.empty(lora.rank, a_in, dtype=dtype, device=device))
+        self.lora_B = torch.nn.Parameter(torch.zeros(b_out, lora.rank, dtype=dtype, device=device))
+        # Replicated parameters used on sequence shards: mcore sums their gradients over TP.
+        (self.lora_A if kind == "column" else self.lora_B).sequence_parallel = sequence_parallel
+        (self.lora_B if kind == "column" else self.lora_A).lora_sharded = tp > 1
+        self.dropout = lora.dropout
+        self.merged, self.original = False, None
+
+    @property
+    def tp_axis(self) -> dict:
+        return {"lora_B": 0} if self.kind == "column" else {"lora_A": 1}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout)
+        h = F.linear(x, self.lora_A)
+        if self.kind == "column":
+            h = (mappings.gather_from_sequence_parallel_region(h) if self.sequence_parallel
+                 else mappings.copy_to_tensor_model_parallel_region(h))
+        else:
+            h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
+                 else mappings.reduce_from_tensor_model_parallel_region(h))
+        return F.linear(h, self.lora_B) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """scale * B A for this rank's shard of the base weight."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, self.tp_axis, ())
+
+
+class LoRAAdapters(torch.nn.ModuleDict):
+    """The adapters of one model chunk, named by the global path of their base layer."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        out = {}
+        for name, adapter in self.items():
+            out.update(adapter.sharded_state_dict(f"{prefix}{name}."))
+        return out
+
+
+def adapter_name(layer_number: int, path: str) -> str:
+    """'decoder.layers.<global layer, 0-based>.<path>' with dots as '__' (a ModuleDict key)."""
+    return f"decoder.layers.{layer_number - 1}.{path}".replace(".", "__")
+
+
+def base_path(name: str) -> str:
+    return name.replace("__", ".")
+
+
+def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -> None:
+    """Freeze every base parameter and attach adapters to the targeted layers."""
+    targets = resolve_targets(lora.target_modules)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+        adapters = LoRAAdapters()
+        for layer in chunk.decoder.layers:
+            for path, module in layer.named_modules():
+                short = path.rsplit(".", 1)[-1]
+                if short not in targets:
+                    continue
+                if ".experts." in f".{path}.":
+                    raise LoRAError(
+                        f"LoRA on MoE expert layers ({path}) is not supported yet; target the "
+                        f"attention linears (linear_qkv, linear_proj) of MoE models."
+                    )
+                _attach(adapters, layer.layer_number, path, module, lora, seed)
+        chunk.add_module("lora", adapters)
+
+
+def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, seed: int) -> None:
+    kind = TARGETS[path.rsplit(".", 1)[-1]][0]
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 2:
+        raise LoRAError(f"LoRA cannot adapt {path} ({type(module).__name__}): no 2-D weight.")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    out_f, in_f = weight.shape
+    out_f, in_f = (out_f * tp, in_f) if kind == "column" else (out_f, in_f * tp)
+    sp = bool(getattr(module.config, "sequence_parallel", False))
+    adapter = LoRAAdapter(kind, in_f, out_f, lora, sp, weight.dtype, weight.device)
+    name = adapter_name(layer_number, path)
+    _init_a(adapter, name, in_f, seed)
+    adapters[name] = adapter
+    fused_norm = hasattr(module, "return_layernorm_output")  # TE LayerNorm+Linear
+    if fused_norm:
+        module.return_layernorm_output = True
+    module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True)
+
+
+def _hook(adapter: LoRAAdapter, fused_norm: bool):
+    def hook(module, args, kwargs, output):
+        out, bias = output if isinstance(output, tuple) else (output, None)
+        if fused_norm:
+            out, x = out
+        else:
+            x = args[0] if args else next(iter(kwargs.values()))
+        if not adapter.merged:
+            out = out + adapter(x).to(out.dtype)
+        return out, bias
+
+    return hook
+
+
+@torch.no_grad()
+def _init_a(adapter: LoRAAdapter, name: str, in_features: int, seed: int) -> None:
+    """peft's kaiming-uniform(a=sqrt(5)) for A, drawn for the full A from a generator seeded by
+    the adapter's name, then sliced: the same adapters at any TP/PP layout. B starts at 0."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on fan_in
+    full = torch.empty(adapter.lora_A.shape[0], in_features).uniform_(-bound, bound, generator=gen)
+    if adapter.kind == "row":
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        full = full.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=1)[rank]
+    adapter.lora_A.copy_(full)
+
+
+def adapters_of(chunks) -> list[tuple[str, LoRAAdapter, torch.nn.Module]]:
+    out = []
+    for chunk in chunks:
+        model = getattr(chunk, "module", chunk)
+        for name, adapter in getattr(model, "lora", {}).items():
+            out.append((name, adapter, model))
+    return out
+
+
+@torch.no_grad()
+def set_merged(chunks, merged: bool) -> None:
+    """Merge scale * B A into every adapted base weight (the adapters then stop adding it), or
+    unmerge: the base weights come back bit for bit from a host copy taken at merge time
+    (W + d - d is not W in floating point)."""
+    for name, adapter, model in adapters_of(chunks):
+        if adapter.merged == merged:
+            continue
+        layer_index, path = _split(name)
+        weight = _base_module(model, layer_index, path).weight
+        if merged:
+            adapter.original = weight.detach().to("cpu", copy=True)
+            weight.copy_((weight.float() + adapter.delta()).to(weight.dtype))
+        else:
+            weight.copy_(adapter.original.to(weight.device))
+            adapter.original = None
+        adapter.merged = merged
+
+
+def _split(name: str) -> tuple[int, str]:
+    parts = base_path(name).split(".")  # decoder.layers.<L>.<path...>
+    return int(parts[2]), ".".join(parts[3:])
+
+
+def _base_module(model, global_layer: int, path: str):
+    for layer in model.decoder.layers:
+        if layer.layer_number - 1 == global_layer:
+            return layer.get_submodule(path)
+    raise KeyError(global_layer)

@@ -1,0 +1,134 @@
+"""Acceptance (LoRA): adapters on TP-sharded mcore linears, exported as a PEFT adapter that peft
+loads with the mcore model's logits; merged export equals peft's merge_and_unload; base weights
+untouched; the trainable count follows the formula; TP=1, TP=2, PP=2 train alike."""
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
+
+from hf_models import hf_logits, make_hf_model
+from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
+from lightning_mcore.model.lora import LoRAConfig, LoRAError
+from toy import TokenRows, fit, sharded_weights, tiny_config
+
+TOKENS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(4))
+
+
+def base_weights(module) -> dict:
+    return {key: t for key, _, _, t in sharded_weights(module) if not key.startswith("lora.")}
+
+
+class Probe(L.Callback):
+    """Base weights before and after; at the end logits, the PEFT and merged exports (rank 0
+    writes files), and the trainable count the module computed."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def on_fit_start(self, trainer, pl_module):
+        self.before = base_weights(pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        logits = trainer.strategy.forward_logits(TOKENS)
+        pl_module.save_hf_checkpoint(self.out / "peft", mode="peft")
+        pl_module.save_hf_checkpoint(self.out / "merged", mode="merged")
+        after = base_weights(pl_module)  # after the merged export took its adapters back out
+        same = all(torch.equal(after[k], v) for k, v in self.before.items())
+        if trainer.global_rank == 0:
+            torch.save(logits, self.out / "logits.pt")
+            (self.out / "facts.json").write_text(json.dumps(
+                {"trainable": pl_module.lora_trainable_parameters, "base_unchanged": same}))
+
+
+def formula(cfg, r: int) -> int:
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    head = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head, cfg.num_key_value_heads * head
+    per_layer = r * ((h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h))
+    return cfg.num_hidden_layers * per_layer
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_peft_export_and_merge_match_peft_at_tp2(family, tmp_path):
+    from peft import PeftModel
+
+    source = tmp_path / "source"
+    hf = make_hf_model(family, source)
+    lora = LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[Probe(tmp_path), ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3)],
+        strategy=MegatronStrategy(tensor_model_parallel_size=2, global_batch_size=4, micro_batch_size=2,
+                                  start_method="fork"),
+    )
+    module = PretrainModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0), lora=lora)
+    trainer.fit(module, DataLoader(TokenRows(n=16, seq=16, vocab=200), batch_size=4))
+
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    assert facts["base_unchanged"]
+    assert facts["trainable"] == formula(hf.config, 4)
+    mcore = torch.load(tmp_path / "logits.pt")
+    assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
+    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+    merged_ref = peft_model.merge_and_unload().state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    for name, tensor in merged_ref.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+    weights = tmp_path / "ckpt" / "epoch=0-step=3.ckpt" / "weights"
+    from megatron.core import dist_checkpointing
+
+    keys = dist_checkpointing.load_tensors_metadata(str(weights))
+    assert keys and all(k.startswith(("lora.", "optimizer.")) for k in keys), sorted(keys)[:5]
+
+
+@pytest.mark.distributed
+def test_lora_losses_agree_across_layouts(tmp_path):
+    """Adapters start the same at any layout (seeded by name), so TP=2 (+SP) and PP=2 runs
+    follow the single-process one."""
+    lora = {"lora": LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0)}
+    optim = OptimizerSettings(lr=2e-2, warmup_steps=0)
+    runs = {name: fit(tmp_path, devices=devices, steps=3, optim=optim, module_kwargs=lora, name=name,
+                      **parallel)
+            for name, devices, parallel in (
+                ("tp1", 1, {}),
+                ("tp2_sp", 2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+                ("pp2", 2, dict(pipeline_model_parallel_size=2)))}
+    assert runs["tp1"][0] > runs["tp1"][-1]
+    for name in ("tp2_sp", "pp2"):
+        for got, want in zip(runs[name], runs["tp1"]):
+            assert abs(got - want) <= 1e-5 * want, (name, runs[name], runs["tp1"])
+
+
+def test_lora_config_errors_are_clear():
+    with pytest.raises(LoRAError, match="rank must be a positive int"):
+        LoRAConfig(rank=0)
+    with pytest.raises(LoRAError, match="available: 'all-linear', linear_qkv") as info:
+        LoRAConfig(target_modules=["query_key_value"])
+    assert "q_proj" in str(info.value)
+    with pytest.raises(LoRAError, match="mcore fuses k_proj, q_proj, v_proj into linear_qkv"):
+        LoRAConfig(target_modules=["q_proj", "v_proj"])
+    assert LoRAConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]).rank == 8
+
+
+@pytest.mark.distributed
+def test_lora_on_moe_experts_is_refused(tmp_path):
+    config = tiny_config(num_moe_experts=4, moe_ffn_hidden_size=32)
+    with pytest.raises(Exception, match="LoRA on MoE expert layers"):
+        fit(tmp_path, devices=1, steps=1, config=config,
+            module_kwargs={"lora": LoRAConfig(target_modules="all-linear")})
