@@ -213,7 +213,7 @@ def _init_a(adapter: LoRAAdapter, name: str, in_features: int, seed: int) -> Non
     the adapter's name, then sliced: the same adapters at any TP/PP layout. B starts at 0."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on fan_in
-    full = torch.empty(adapter.lora_A.shape[0], in_features).uniform_(-bound, bound, generator=gen)
+    full = torch.empty(adapter.lora_A.shape[0], in_features, device="cpu").uniform_(-bound, bound, generator=gen)
     if adapter.kind == "row":
         rank = parallel_state.get_tensor_model_parallel_rank()
         full = full.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=1)[rank]
