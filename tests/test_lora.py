@@ -3,6 +3,8 @@ loads with the mcore model's logits; merged export equals peft's merge_and_unloa
 untouched; the trainable count follows the formula; TP=1, TP=2, PP=2 train alike."""
 
 import json
+import subprocess
+import sys
 
 import lightning as L
 import pytest
@@ -18,6 +20,10 @@ from lightning_mcore.model.lora import LoRAConfig, LoRAError
 from toy import TokenRows, fit, sharded_weights, tiny_config
 
 TOKENS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(4))
+
+
+def tensors(directory) -> dict:
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def base_weights(module) -> dict:
@@ -90,11 +96,18 @@ def test_peft_export_and_merge_match_peft_at_tp2(family, tmp_path):
     for name, tensor in merged_ref.items():
         torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
 
-    weights = tmp_path / "ckpt" / "epoch=0-step=3.ckpt" / "weights"
+    saved = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
     from megatron.core import dist_checkpointing
 
-    keys = dist_checkpointing.load_tensors_metadata(str(weights))
+    keys = dist_checkpointing.load_tensors_metadata(str(saved / "weights"))
     assert keys and all(k.startswith(("lora.", "optimizer.")) for k in keys), sorted(keys)[:5]
+
+    # The export command rebuilds base + adapters from the adapter-only checkpoint.
+    for mode in ("peft", "merged"):
+        subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint", str(saved),
+                        "--output", str(tmp_path / f"cmd-{mode}"), "--mode", mode], check=True)
+        a, b = tensors(tmp_path / mode), tensors(tmp_path / f"cmd-{mode}")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (mode, tmp_path)
 
 
 @pytest.mark.distributed

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import torch.distributed as dist
 
@@ -46,6 +46,7 @@ def export_checkpoint(
     checkpoint: str,
     output: str,
     source: Optional[str] = None,
+    mode: Literal["merged", "peft"] = "merged",
     max_shard_bytes: int = 5 * 2**30,
 ) -> Path:
     """Write the model of a MegatronStrategy checkpoint as a Hugging Face directory.
@@ -53,13 +54,16 @@ def export_checkpoint(
     Args:
         checkpoint: a checkpoint directory written by MegatronStrategy (e.g. ``last.ckpt``).
         output: the HF directory to write (written to a temporary name, then renamed).
-        source: an HF directory whose tokenizer and generation config are copied; defaults to
-            the one the training run started from, when it still exists.
+        source: an HF directory whose tokenizer and generation config are copied (and, for a
+            LoRA run, whose weights are the base); defaults to the one the run started from.
+        mode: for a LoRA run, "merged" (full model, adapters merged) or "peft" (the adapter).
         max_shard_bytes: size limit of each ``model-0000N-of-0000M.safetensors`` shard.
     """
     from lightning_mcore.hf.export import export_hf
+    from lightning_mcore.hf.peft_export import export_peft
     from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
+    from lightning_mcore.model.lora import LoRAConfig, apply_lora, set_merged
     from lightning_mcore.strategy import checkpoint_io
     from lightning_mcore.strategy.cpu import cuda_on_cpu
     from lightning_mcore.strategy.parallel import ParallelConfig
@@ -67,14 +71,40 @@ def export_checkpoint(
     saved = checkpoint_io.read_saved_model(checkpoint)  # clear errors before any set-up
     if source is None and saved.hf_path and Path(saved.hf_path).is_dir():
         source = saved.hf_path
+    if mode == "peft" and not saved.lora:
+        raise checkpoint_io.CheckpointLoadError(f"{checkpoint} is not from a LoRA run: use mode='merged'.")
+    base = saved.init_checkpoint or source
+    if saved.lora and not (base and Path(base).is_dir()):
+        raise checkpoint_io.CheckpointLoadError(
+            f"{checkpoint} holds LoRA adapters only; its base ({base}) is not there: pass "
+            f"--source with the HF directory the run started from."
+        )
     with single_process_megatron(), cuda_on_cpu():
         tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,
                                           on_cpu=True, use_te=False)
         chunks = build_chunks(saved.config, tf_config, use_te=False, padded_vocab=saved.padded_vocab_size)
+        if saved.lora:
+            _load_base(chunks, saved, base)
+            apply_lora(chunks, LoRAConfig(**saved.lora), seed=0)
         checkpoint_io.load_model(checkpoint, chunks)
-        export_hf(chunks, saved.config, saved.hf_family, output, saved.padded_vocab_size,
-                  source_dir=source, max_shard_bytes=max_shard_bytes)
+        if mode == "peft":
+            export_peft(chunks, saved.config, saved.hf_family, LoRAConfig(**saved.lora), output,
+                        base_model=saved.hf_path)
+        else:
+            set_merged(chunks, True)
+            export_hf(chunks, saved.config, saved.hf_family, output, saved.padded_vocab_size,
+                      source_dir=source, max_shard_bytes=max_shard_bytes)
     return Path(output)
+
+
+def _load_base(chunks, saved, base) -> None:
+    from lightning_mcore.hf.load import load_hf_weights
+    from lightning_mcore.strategy import checkpoint_io
+
+    if checkpoint_io.is_checkpoint(base):
+        checkpoint_io.load_model(base, chunks)
+    else:
+        load_hf_weights(chunks, base, saved.config, saved.hf_family, saved.padded_vocab_size)
 
 
 def main(args=None) -> None:

@@ -94,8 +94,9 @@ class LoRAAdapter(torch.nn.Module):
     """A, B of one base linear; `forward(x)` is the scaled low-rank update of its output."""
 
     def __init__(self, kind: str, in_features: int, out_features: int, lora: LoRAConfig,
-                 sequence_parallel: bool, dtype: torch.dtype, device) -> None:
+                 sequence_parallel: bool, dtype: torch.dtype, device, gated: bool = False) -> None:
         super().__init__()
+        self.gated = gated  # linear_fc1 of SwiGLU: output rows are [gate; up] per TP rank
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.kind, self.scale, self.sequence_parallel = kind, lora.scale, sequence_parallel
         a_in = in_features // tp if kind == "row" else in_features
@@ -129,9 +130,13 @@ class LoRAAdapter(torch.nn.Module):
         return (self.lora_B.float() @ self.lora_A.float()) * self.scale
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, self.tp_axis, ())
+        out = make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, self.tp_axis, ())
+        if self.gated:  # B's rows are [gate_i; up_i] per rank: saved as [gate; up] at any TP
+            out[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(out[f"{prefix}lora_B"], ())
+        return out
 
 
 class LoRAAdapters(torch.nn.ModuleDict):
@@ -183,7 +188,8 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     out_f, in_f = weight.shape
     out_f, in_f = (out_f * tp, in_f) if kind == "column" else (out_f, in_f * tp)
     sp = bool(getattr(module.config, "sequence_parallel", False))
-    adapter = LoRAAdapter(kind, in_f, out_f, lora, sp, weight.dtype, weight.device)
+    gated = path.endswith("linear_fc1") and bool(getattr(module.config, "gated_linear_unit", False))
+    adapter = LoRAAdapter(kind, in_f, out_f, lora, sp, weight.dtype, weight.device, gated)
     name = adapter_name(layer_number, path)
     _init_a(adapter, name, in_f, seed)
     adapters[name] = adapter

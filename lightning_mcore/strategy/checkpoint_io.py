@@ -173,6 +173,8 @@ class SavedModel:
     hf_path: Any  # the HF directory the run started from (tokenizer, generation config), or None
     dtype: torch.dtype
     padded_vocab_size: int  # embedding rows as saved (the vocab is padded per TP size)
+    lora: Any = None  # LoRAConfig fields of a LoRA run (its checkpoint holds the adapters only)
+    init_checkpoint: Any = None  # the checkpoint a fine-tuning run took its base weights from
 
 
 def read_saved_model(path) -> SavedModel:
@@ -181,7 +183,8 @@ def read_saved_model(path) -> SavedModel:
     extra = _load_common(Path(path)).get("megatron", {})
     config = GPTConfig(**extra["model_config"])
     return SavedModel(config, extra.get("hf_family"), extra.get("hf_path"),
-                      getattr(torch, extra.get("dtype", "float32")), _saved_padded_vocab(extra, config))
+                      getattr(torch, extra.get("dtype", "float32")), _saved_padded_vocab(extra, config),
+                      extra.get("lora"), extra.get("init_checkpoint"))
 
 
 def _saved_padded_vocab(extra: dict, config) -> int:

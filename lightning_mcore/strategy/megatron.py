@@ -457,6 +457,8 @@ class MegatronStrategy(DDPStrategy):
             "lr_scheduler": optimizer.scheduler.state_dict() if optimizer is not None else None,
             "saved_optimizer": optimizer is not None and self.checkpoint_options.save_optimizer,
             "hf_path": getattr(module, "hf_path", None),
+            "init_checkpoint": getattr(module, "init_checkpoint", None),
+            "lora": dataclasses.asdict(module.lora) if getattr(module, "lora", None) else None,
             "dtype": str(self.dtype).removeprefix("torch."),
         }
         common = checkpoint_io.strip_for_common(checkpoint, extra)
