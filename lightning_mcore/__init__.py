@@ -2,6 +2,7 @@
 
 from lightning_mcore.callbacks import HFExport
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.pretrain import PretrainModule
 from lightning_mcore.objectives.sft import SFTModule
@@ -16,6 +17,7 @@ __all__ = [
     "GPTConfig",
     "HFExport",
     "LayoutError",
+    "LoRAConfig",
     "MegatronModule",
     "MegatronStrategy",
     "OptimizerSettings",
