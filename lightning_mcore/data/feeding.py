@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_mcore.data.preprocess import load_tokenizer
 from lightning_mcore.data.sampler import DataParallelSampler
 
 
@@ -64,6 +65,19 @@ class DataParallelDataModule(L.LightningDataModule):
     train_dataset: Optional[Dataset] = None
     val_dataset: Optional[Dataset] = None
     _resume = (0, 0)  # (consumed_samples, global_step) restored from a checkpoint
+    _tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded HF tokenizer."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.hparams.tokenizer)
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """``len(tokenizer)``, special tokens included: the size a model's embedding needs."""
+        return len(self.tokenizer)
 
     def _consumed_samples(self) -> int:
         """Global samples consumed at the trainer's step, continuing from a restored checkpoint."""

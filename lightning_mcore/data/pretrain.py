@@ -124,18 +124,6 @@ class PretrainDataModule(DataParallelDataModule):
         self._resume = (0, 0)  # (consumed_samples, global_step) restored from a checkpoint
 
     @property
-    def tokenizer(self) -> Any:
-        """The loaded HF tokenizer."""
-        if self._tokenizer is None:
-            self._tokenizer = preprocess.load_tokenizer(self.hparams.tokenizer)
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        """``len(tokenizer)``, special tokens included: the size a model's embedding needs."""
-        return len(self.tokenizer)
-
-    @property
     def eos_token_id(self) -> Optional[int]:
         return self.tokenizer.eos_token_id
 

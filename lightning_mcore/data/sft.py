@@ -111,18 +111,6 @@ class SFTDataModule(DataParallelDataModule):
         self.stats: dict[str, Any] = {}
 
     @property
-    def tokenizer(self) -> Any:
-        """The loaded HF tokenizer."""
-        if self._tokenizer is None:
-            self._tokenizer = preprocess.load_tokenizer(self.hparams.tokenizer)
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        """``len(tokenizer)``, special tokens included: the size a model's embedding needs."""
-        return len(self.tokenizer)
-
-    @property
     def pad_token_id(self) -> int:
         """Fills padding and unused labels (never with loss): pad, else EOS, else 0."""
         tok = self.tokenizer
