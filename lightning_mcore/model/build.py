@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -83,5 +84,25 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional
             vp_stage=stage,
         )
         apply_rope_scaling(model, cfg)
+        if model.post_process and (padded_vocab or cfg.padded_vocab_size(tp)) > cfg.vocab_size:
+            model.output_layer.register_forward_hook(_mask_padded_vocab(cfg.vocab_size))
         chunks.append(model)
     return chunks
+
+
+def _mask_padded_vocab(vocab_size: int):
+    """The rows that pad the vocab to a TP multiple must not enter the softmax: their logits
+    (0 for rows padded onto an HF model) would add to every token's normaliser and shift
+    log-probs and losses away from the HF model's. They become the dtype's lowest value."""
+
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]  # this rank's vocab slice
+        start = parallel_state.get_tensor_model_parallel_rank() * width
+        first_pad = max(0, vocab_size - start)
+        if first_pad < width:
+            logits = logits.clone()
+            logits[..., first_pad:] = torch.finfo(logits.dtype).min
+        return logits, bias
+
+    return hook

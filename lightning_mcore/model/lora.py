@@ -20,6 +20,7 @@ mcore's DDP buffers and optimizer. TE's fused LayerNorm+Linear returns its norma
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class LoRAAdapter(torch.nn.Module):
         (self.lora_B if kind == "column" else self.lora_A).lora_sharded = tp > 1
         self.dropout = lora.dropout
         self.merged, self.original = False, None
+        self.enabled = True  # False: the base model alone (DPO's reference)
 
     @property
     def tp_axis(self) -> dict:
@@ -206,7 +208,7 @@ def _hook(adapter: LoRAAdapter, fused_norm: bool):
             out, x = out
         else:
             x = args[0] if args else next(iter(kwargs.values()))
-        if not adapter.merged:
+        if adapter.enabled and not adapter.merged:
             out = out + adapter(x).to(out.dtype)
         return out, bias
 
@@ -252,6 +254,19 @@ def set_merged(chunks, merged: bool) -> None:
             weight.copy_(adapter.original.to(weight.device))
             adapter.original = None
         adapter.merged = merged
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks):
+    """The frozen base model, for as long as the context lasts (no copy of the weights)."""
+    adapters = [a for _, a, _ in adapters_of(chunks)]
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True
 
 
 def _split(name: str) -> tuple[int, str]:

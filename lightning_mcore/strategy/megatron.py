@@ -284,6 +284,46 @@ class MegatronStrategy(DDPStrategy):
             )
         return logits
 
+    @torch.no_grad()
+    def forward_collect(self, batch: dict, forward_step: Callable, width: int, chunks=None,
+                        packed: bool = False) -> torch.Tensor:
+        """Forward-only pass over the batch's microbatches where `forward_step` returns
+        (output, collect) and `collect(output)` gives [micro_batch, width] per microbatch on the
+        last stage (e.g. per-sample log-probs); returns [rows, width] on every rank. `chunks`:
+        other model chunks than the module's (a frozen reference), sharded the same way."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
+        micro = self.split_microbatches(batch)
+        chunks = list(chunks if chunks is not None else self.lightning_module.chunks)
+        rows, seq = next(iter(batch.values())).shape[:2]
+        mbs = self.batch.micro_batch_size
+
+        def step_fn(data_iterator, model):
+            output, collect = forward_step(next(data_iterator), model)
+            return output, lambda out, non_loss_data=True: collect(out)
+
+        with self.mcore_context():
+            data = get_forward_backward_func()(
+                forward_step_func=step_fn,
+                data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
+                model=chunks,
+                num_microbatches=len(micro),
+                seq_length=seq * mbs if packed else seq,
+                micro_batch_size=1 if packed else mbs,
+                forward_only=True,
+                collect_non_loss_data=True,
+            )
+        if self.is_last_pipeline_stage:
+            result = torch.cat([d.float() for d in data]).reshape(rows, width)
+        else:
+            result = torch.empty(rows, width, device=self.root_device)
+        if self.parallel.pipeline_model_parallel_size > 1:
+            dist.broadcast(result, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        return result
+
     def model_to_device(self) -> None:
         pass  # chunks are built on their device
 

@@ -1,0 +1,139 @@
+"""Preference training: DPO (sigmoid, with label smoothing) and IPO on mcore.
+
+Each batch row holds one pair, packed as two segments (DPODataModule): [prompt + chosen |
+prompt + rejected], so chosen and rejected always share a microbatch and travel the pipeline
+together. A sequence's log-probability is the sum over its response tokens of -cross-entropy,
+which mcore computes from the vocab-parallel logits without gathering them.
+
+The reference model's log-probs come from a forward-only pass at the start of every step:
+with LoRA, the same chunks with the adapters switched off (no second copy of the weights);
+without LoRA, a frozen copy of the starting weights sharded like the policy (twice the weight
+memory, no gradients or optimizer state).
+
+    sigmoid: loss = -(1-ls) log s(beta m) - ls log s(-beta m),   m = (pc - rc) - (pr - rr)
+    ipo:     loss = (m' - 1 / (2 beta))^2  with length-averaged log-probs in m' (as in IPO / trl)
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
+from lightning_mcore.model.packing import packed_seq_params
+from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.strategy.optimizer import OptimizerSettings
+
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
+
+
+def pair_logps(token_losses: torch.Tensor, batch: dict, average: bool = False) -> torch.Tensor:
+    """[rows, 2]: (chosen, rejected) summed (or averaged) response log-probs of each row."""
+    rows, seq = batch["loss_mask"].shape
+    logp = -token_losses.float().reshape(rows, seq) * batch["loss_mask"]
+    out = []
+    for segment in (1, 2):
+        mask = (batch["segment_ids"] == segment).float() * batch["loss_mask"]
+        total = (logp * (batch["segment_ids"] == segment)).sum(-1)
+        out.append(total / mask.sum(-1).clamp(min=1) if average else total)
+    return torch.stack(out, dim=-1)
+
+
+def preference_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float,
+                    label_smoothing: float = 0.0, loss_type: str = "sigmoid"):
+    """Per-pair losses and metrics from [pairs, 2] log-probs (chosen, rejected)."""
+    chosen = beta * (policy[:, 0] - reference[:, 0])
+    rejected = beta * (policy[:, 1] - reference[:, 1])
+    margin = (policy[:, 0] - policy[:, 1]) - (reference[:, 0] - reference[:, 1])
+    if loss_type == "ipo":
+        losses = (margin - 1.0 / (2.0 * beta)) ** 2
+    else:
+        losses = (-(1.0 - label_smoothing) * F.logsigmoid(beta * margin)
+                  - label_smoothing * F.logsigmoid(-beta * margin))
+    metrics = {
+        "loss": losses, "rewards/chosen": chosen, "rewards/rejected": rejected,
+        "rewards/accuracies": (chosen > rejected).float(), "rewards/margins": chosen - rejected,
+        "logps/chosen": policy[:, 0], "logps/rejected": policy[:, 1],
+    }
+    return losses, metrics
+
+
+class DPOModule(MegatronModule):
+    """`beta`, `label_smoothing` (sigmoid only) and `loss_type` ("sigmoid" DPO or "ipo")."""
+
+    packed_sequences = True
+
+    def __init__(
+        self,
+        model: Union[GPTConfig, str],
+        optim: Optional[OptimizerSettings] = None,
+        model_overrides: Optional[dict] = None,
+        lora: Optional[LoRAConfig] = None,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
+    ) -> None:
+        super().__init__(model, optim, model_overrides, lora)
+        if beta <= 0:
+            raise ValueError(f"beta must be > 0, got {beta}.")
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}.")
+        if loss_type not in ("sigmoid", "ipo"):
+            raise ValueError(f"loss_type must be 'sigmoid' or 'ipo', got {loss_type!r}.")
+        self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
+        self._reference: Optional[list] = None  # frozen chunks (no LoRA); not a submodule
+
+    def configure_model(self) -> None:
+        first = self.chunks is None
+        super().configure_model()
+        if first and self.lora is None:
+            strategy = self._strategy()
+            source = dict(checkpoint=self.init_checkpoint) if self.init_checkpoint else dict(
+                hf_path=self.hf_path, hf_family=self.hf_family)
+            self._reference = strategy.build_gpt(self.model_config, **source)
+            for chunk in self._reference:
+                chunk.requires_grad_(False).eval()
+
+    # ---------------------------------------------------------------- steps
+    def _model_out(self, batch: dict, chunk) -> torch.Tensor:
+        flat = {k: batch[k].reshape(1, -1) for k in ("tokens", "labels", "position_ids")}
+        return chunk(input_ids=flat["tokens"], position_ids=flat["position_ids"], attention_mask=None,
+                     labels=flat["labels"], packed_seq_params=packed_seq_params(batch["segment_ids"]))
+
+    def _reference_logps(self, batch: dict) -> torch.Tensor:
+        average = self.loss_type == "ipo"
+
+        def step(mb, chunk):
+            return self._model_out(mb, chunk), lambda out: pair_logps(out, mb, average)
+
+        strategy = self._strategy()
+        if self.lora is not None:
+            with adapters_disabled(list(self.chunks)):
+                return strategy.forward_collect(batch, step, 2, packed=True)
+        return strategy.forward_collect(batch, step, 2, chunks=self._reference, packed=True)
+
+    def forward_step(self, batch: dict, chunk):
+        out = self._model_out(batch, chunk)
+
+        def loss_fn(token_losses):
+            policy = pair_logps(token_losses, batch, average=self.loss_type == "ipo")
+            losses, metrics = preference_loss(policy, batch["ref_logps"], self.beta,
+                                              self.label_smoothing, self.loss_type)
+            pairs = torch.tensor(losses.numel(), device=losses.device)
+            report = {k: torch.stack([v.detach().float().sum(), pairs.float()]) for k, v in metrics.items()}
+            return losses.sum(), pairs.to(torch.int), report
+
+        return out, loss_fn
+
+    def _with_reference(self, batch: dict) -> dict:
+        return {**batch, "ref_logps": self._reference_logps(batch).to(batch["tokens"].device)}
+
+    def training_step(self, batch: dict, batch_idx: int):
+        return super().training_step(self._with_reference(batch), batch_idx)
+
+    def validation_step(self, batch: dict, batch_idx: int):
+        return super().validation_step(self._with_reference(batch), batch_idx)
