@@ -1,12 +1,15 @@
 """Training data fed per data-parallel rank, resumable mid-epoch: packed token sequences for
-pretraining, chat conversations with assistant-only loss for fine-tuning."""
+pretraining, chat conversations with assistant-only loss for fine-tuning, preference pairs one
+per row for DPO."""
 
+from lightning_mcore.data.dpo import DPODataModule
 from lightning_mcore.data.indexed import HFTokenizerAdapter, build_indexed_datasets
 from lightning_mcore.data.pretrain import PackedSequences, PretrainDataModule
 from lightning_mcore.data.sampler import DataParallelSampler
 from lightning_mcore.data.sft import SFTDataModule
 
 __all__ = [
+    "DPODataModule",
     "DataParallelSampler",
     "HFTokenizerAdapter",
     "PackedSequences",

@@ -118,8 +118,13 @@ class ChatFormat:
             user = self._get(record, "instruction", where) + (f"\n\n{extra}" if extra else "")
             output = self._get(record, "output", where)
             return [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-        messages = []
-        for turn, message in enumerate(self._get(record, "messages", where, text=False)):
+        return self.read_messages(self._get(record, "messages", where, text=False), where)
+
+    def read_messages(self, messages: Sequence[Mapping], where: str) -> list[dict[str, str]]:
+        """A list of turns as ``[{"role", "content"}]`` with our role names; ``where`` starts the
+        errors (``"sample 3"``). Only ``names["role"]``/``names["content"]`` are read."""
+        turns = []
+        for turn, message in enumerate(messages):
             at = f"{where}, message {turn}"
             role, content = self._get(message, "role", at), self._get(message, "content", at)
             role = self.roles.get(role, role)
@@ -128,8 +133,8 @@ class ChatFormat:
                     f"{at}: unknown role {role!r}; allowed roles are {ROLES} (rename the "
                     f"dataset's roles with roles={{{role!r}: 'user'}})"
                 )
-            messages.append({"role": role, "content": content})
-        return messages
+            turns.append({"role": role, "content": content})
+        return turns
 
 
 def drop_reason(messages: Sequence[Mapping[str, str]]) -> Optional[str]:
@@ -145,9 +150,15 @@ def drop_reason(messages: Sequence[Mapping[str, str]]) -> Optional[str]:
 
 
 def tokenize_conversation(
-    tokenizer: Any, messages: Sequence[Mapping[str, str]], template: str, index: int = 0
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    template: str,
+    index: int = 0,
+    last_only: bool = False,
 ) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and its assistant mask (1: an assistant token).
+    With ``last_only`` only the last assistant turn is masked: the earlier ones are context (the
+    prompt of a preference pair).
 
     Rendered incrementally: the tokens of the turns before assistant turn ``i`` with the
     generation prompt must be a prefix of those up to and including turn ``i``, which must be a
@@ -158,6 +169,7 @@ def tokenize_conversation(
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not replies or replies[0] == 0:
         raise ValueError(f"sample {index}: {drop_reason(messages)}")
+    replies = replies[-1:] if last_only else replies
     try:
         prompts = _render(tokenizer, [messages[:i] for i in replies], template, True)
         turns = _render(tokenizer, [messages[: i + 1] for i in replies] + [messages], template)

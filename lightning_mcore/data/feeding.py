@@ -75,6 +75,12 @@ class DataParallelDataModule(L.LightningDataModule):
         return self._tokenizer
 
     @property
+    def pad_token_id(self) -> int:
+        """Fills padding and unused labels (never with loss): pad, else EOS, else 0."""
+        tok = self.tokenizer
+        return next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
+
+    @property
     def vocab_size(self) -> int:
         """``len(tokenizer)``, special tokens included: the size a model's embedding needs."""
         return len(self.tokenizer)

@@ -98,23 +98,13 @@ class SFTDataModule(DataParallelDataModule):
         cache_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
-        if not isinstance(seq_length, int) or seq_length < 2:
-            raise ValueError(f"seq_length must be an int >= 2, got {seq_length!r}")
+        check_options(seq_length, val_split, tokenizer)
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}")
-        if not 0.0 <= val_split < 1.0:
-            raise ValueError(f"val_split must be in [0, 1), got {val_split}")
         self.save_hyperparameters()
         self.paths = [paths] if isinstance(paths, str) else list(paths)
-        preprocess.tokenizer_dir(tokenizer)  # fail now, not after the trainer has started
         self._tokenizer: Any = None
         self.stats: dict[str, Any] = {}
-
-    @property
-    def pad_token_id(self) -> int:
-        """Fills padding and unused labels (never with loss): pad, else EOS, else 0."""
-        tok = self.tokenizer
-        return next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
 
     def prepare_data(self) -> None:
         """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
@@ -145,23 +135,10 @@ class SFTDataModule(DataParallelDataModule):
         if len(keep) == 0:
             raise ValueError(f"no sample left to train on of {len(tokenized)}: {dict(dropped)}")
         kept_lengths = dict(zip(usable[keep].tolist(), fitted.tolist()))
-        train, val = self._split(usable[keep].tolist())
+        train, val = split_samples(usable[keep].tolist(), hp.val_split, hp.seed)
         self.train_dataset = self._rows("train", tokenized, train, kept_lengths)
         self.val_dataset = self._rows("val", tokenized, val, kept_lengths) if val else None
         _log_stats(self.stats)
-
-    def _split(self, samples: list[int]) -> tuple[list[int], list[int]]:
-        """Hold out a seeded random ``val_split`` fraction of the samples (before packing)."""
-        num_val = int(round(len(samples) * self.hparams.val_split))
-        if self.hparams.val_split > 0 and not 0 < num_val < len(samples):
-            raise ValueError(
-                f"val_split={self.hparams.val_split} of {len(samples)} samples leaves "
-                f"{num_val} for validation and {len(samples) - num_val} for training"
-            )
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        order = torch.randperm(len(samples), generator=generator).tolist()
-        val = sorted(samples[i] for i in order[:num_val])
-        return sorted(samples[i] for i in order[num_val:]), val
 
     def _rows(self, split: str, tokenized: Any, samples: list[int], lengths: dict) -> SFTRows:
         """Pack the split's samples into rows and record its numbers in ``stats``."""
@@ -175,6 +152,33 @@ class SFTDataModule(DataParallelDataModule):
         }
         rows = [[samples[i] for i in row] for row in rows]
         return SFTRows(tokenized, rows, S, self.pad_token_id)
+
+
+def check_options(seq_length: Any, val_split: float, tokenizer: str) -> None:
+    """The checks every chat data module makes in ``__init__``: fail now, not after the trainer
+    has started."""
+    if not isinstance(seq_length, int) or seq_length < 2:
+        raise ValueError(f"seq_length must be an int >= 2, got {seq_length!r}")
+    if not 0.0 <= val_split < 1.0:
+        raise ValueError(f"val_split must be in [0, 1), got {val_split}")
+    preprocess.tokenizer_dir(tokenizer)
+
+
+def split_samples(
+    samples: list[int], val_split: float, seed: int, what: str = "samples"
+) -> tuple[list[int], list[int]]:
+    """(train, val): a seeded random ``val_split`` fraction of ``samples`` held out, each sorted
+    (before packing: a sample is never split across the two)."""
+    num_val = int(round(len(samples) * val_split))
+    if val_split > 0 and not 0 < num_val < len(samples):
+        raise ValueError(
+            f"val_split={val_split} of {len(samples)} {what} leaves "
+            f"{num_val} for validation and {len(samples) - num_val} for training"
+        )
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(samples), generator=generator).tolist()
+    val = sorted(samples[i] for i in order[:num_val])
+    return sorted(samples[i] for i in order[num_val:]), val
 
 
 def load_records(paths: Sequence[str], cache_dir: Optional[str] = None) -> Any:
@@ -212,34 +216,60 @@ def tokenize_records(
     cache_dir: Optional[str] = None,
 ) -> Any:
     """``datasets.map`` the records to ``input_ids``, ``assistant_mask``, ``length``,
-    ``first_loss`` and ``dropped`` (the reason, or ""; such rows are empty).
-
-    Cached under a fingerprint of the data, the tokenizer's content, the template and the
-    format, so ranks that come second load the result instead of tokenizing again.
-    """
+    ``first_loss`` and ``dropped`` (the reason, or ""; such rows are empty). Cached, see
+    ``map_cached``."""
     import datasets
 
     template = resolve_template(tokenizer, chat_template)
     how = (chat.format, sorted(chat.names.items()), sorted(chat.roles.items()))
-    content = preprocess._tokenizer_content(tokenizer)
-    key = f"lightning_mcore-sft-v1|{records._fingerprint}|{content}|{template}|{how}"
-    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:32]
-    cache_file = os.path.join(cache_dir, f"sft-{fingerprint}.arrow") if cache_dir else None
     ints, mask = datasets.Value("int32"), datasets.Sequence(datasets.Value("int8"))
     ids = datasets.Sequence(datasets.Value("int32"))
     features = dict(input_ids=ids, assistant_mask=mask, length=ints, first_loss=ints)
     features["dropped"] = datasets.Value("string")
-    return records.map(
+    return map_cached(
+        records,
         _tokenize_batch,
+        features,
+        key=("sft", tokenizer, template, how),
+        fn_kwargs={"tokenizer": tokenizer, "chat": chat, "template": template},
+        num_proc=num_proc,
+        cache_dir=cache_dir,
+        desc="Tokenizing conversations",
+    )
+
+
+def map_cached(
+    records: Any,
+    function: Any,
+    features: dict,
+    key: tuple[str, Any, str, Any],
+    fn_kwargs: dict,
+    num_proc: Optional[int] = None,
+    cache_dir: Optional[str] = None,
+    desc: Optional[str] = None,
+) -> Any:
+    """``records.map(function)`` in batches with indices, replacing the records' columns by
+    ``features``. ``key`` is (name, tokenizer, template, how the records are read): the result is
+    cached under a fingerprint of the data, the tokenizer's content and the rest of the key, so
+    ranks that come second load it instead of tokenizing again."""
+    import datasets
+
+    name, tokenizer, template, how = key
+    content = preprocess._tokenizer_content(tokenizer)
+    text = f"lightning_mcore-{name}-v1|{records._fingerprint}|{content}|{template}|{how}"
+    fingerprint = hashlib.sha256(text.encode()).hexdigest()[:32]
+    cache_file = os.path.join(cache_dir, f"{name}-{fingerprint}.arrow") if cache_dir else None
+    return records.map(
+        function,
         batched=True,
         with_indices=True,
         remove_columns=records.column_names,
-        fn_kwargs={"tokenizer": tokenizer, "chat": chat, "template": template},
+        fn_kwargs=fn_kwargs,
         features=datasets.Features(features),
         num_proc=num_proc,
         new_fingerprint=fingerprint,
         cache_file_name=cache_file,
-        desc="Tokenizing conversations",
+        desc=desc,
     )
 
 
