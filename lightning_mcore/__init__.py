@@ -4,6 +4,7 @@ from lightning_mcore.callbacks import HFExport
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.objectives.dpo import DPOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
 from lightning_mcore.objectives.sft import SFTModule
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
@@ -14,6 +15,7 @@ from lightning_mcore.strategy.parallel import BatchConfig, LayoutError, Parallel
 __all__ = [
     "BatchConfig",
     "CheckpointOptions",
+    "DPOModule",
     "GPTConfig",
     "HFExport",
     "LayoutError",

@@ -124,3 +124,29 @@ def test_dpo_layouts_agree(tmp_path):
         for name in ("tp2_sp", "pp2"):
             for got, want in zip(runs[name], runs["tp1"]):
                 assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (reference, name, runs[name], runs["tp1"])
+
+
+@pytest.mark.distributed
+def test_dpo_learns_the_toy_preferences(tmp_path):
+    """30 steps on the bundled pairs (polite correct answers preferred to rude wrong ones)."""
+    from pathlib import Path
+
+    from lightning_mcore.data import DPODataModule
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "metrics.json"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=30, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[RecordMetrics(out)],
+        strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=4, start_method="fork"),
+    )
+    config = tiny_config(num_layers=2, hidden_size=128, ffn_hidden_size=352, vocab_size=512, seq_length=256)
+    module = DPOModule(config, OptimizerSettings(lr=1e-2, warmup_steps=2, min_lr=1e-3),
+                       lora=LoRAConfig(rank=8, alpha=16.0), beta=0.1)
+    data = DPODataModule(str(root / "configs/sample_data/dpo.jsonl"), str(root / "configs/sample_data/tokenizer"),
+                         256, chat_template="chatml", cache_dir=str(tmp_path / "cache"))
+    trainer.fit(module, data)
+    rows = json.loads(out.read_text())
+    assert rows[0]["rewards/accuracies"] == 0.0 and abs(rows[0]["loss"] - math.log(2)) <= 1e-6
+    assert rows[-1]["rewards/accuracies"] > 0.9, [r["rewards/accuracies"] for r in rows]
+    assert rows[-1]["rewards/margins"] > 0

@@ -23,7 +23,11 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lightning_mcore.data.chat import ChatFormat, resolve_template, tokenize_conversation
+from lightning_mcore.data.chat import (
+    ChatFormat,
+    resolve_template,
+    tokenize_conversation,
+)
 from lightning_mcore.data.feeding import DataParallelDataModule
 from lightning_mcore.data.packing import efficiency
 from lightning_mcore.data.sft import (
