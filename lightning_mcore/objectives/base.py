@@ -190,14 +190,13 @@ def _count_parameters(chunks, trainable_only: bool = False) -> int:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     mine = sum(p.numel() for c in chunks for p in c.parameters()
                if (p.requires_grad or not trainable_only)
-               and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False) or _is_lora_shard(p)))
-    mine = torch.tensor(float(mine))
+               and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False)
+                    or getattr(p, "lora_sharded", False)))
+    device = next(p for c in chunks for p in c.parameters()).device  # NCCL needs it on the GPU
+    mine = torch.tensor(mine, dtype=torch.int64, device=device)
     if dist.is_initialized():
         for group in (parallel_state.get_tensor_model_parallel_group(),
                       parallel_state.get_pipeline_model_parallel_group()):
             dist.all_reduce(mine, group=group)
     return int(mine.item())
 
-
-def _is_lora_shard(p) -> bool:
-    return getattr(p, "lora_sharded", False)
