@@ -1,6 +1,7 @@
 """Every config in configs/ parses and instantiates (trainer, strategy, module, data module)
 short of building the model; a wrong key fails naming the key."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,20 @@ from lightning_mcore.cli import MegatronCLI
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_seed():
+    """`seed_everything:` in a config sets PL_GLOBAL_SEED / PL_SEED_WORKERS in os.environ; forked
+    ranks of later tests would inherit them (and train differently). Restored after each test."""
+    names = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+    saved = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.mark.parametrize("name", CONFIGS)
