@@ -186,7 +186,6 @@ class DPODataModule(DataParallelDataModule):
         check_options(seq_length, val_split, tokenizer)
         self.save_hyperparameters()
         self.paths = [paths] if isinstance(paths, str) else list(paths)
-        self._tokenizer: Any = None
         self.stats: dict[str, Any] = {}
 
     def prepare_data(self) -> None:

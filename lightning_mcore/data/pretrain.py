@@ -118,7 +118,6 @@ class PretrainDataModule(DataParallelDataModule):
         self.files = preprocess.resolve_files(paths) if paths is not None else None
         self.indexed_prefixes = list(indexed_prefixes) if indexed_prefixes is not None else None
         preprocess.tokenizer_dir(tokenizer)  # fail now, not after the trainer has started
-        self._tokenizer: Any = None
         self.train_dataset: Optional[Dataset] = None
         self.val_dataset: Optional[Dataset] = None
         self._resume = (0, 0)  # (consumed_samples, global_step) restored from a checkpoint

@@ -103,7 +103,6 @@ class SFTDataModule(DataParallelDataModule):
             raise ValueError(f"truncation must be one of {TRUNCATION}")
         self.save_hyperparameters()
         self.paths = [paths] if isinstance(paths, str) else list(paths)
-        self._tokenizer: Any = None
         self.stats: dict[str, Any] = {}
 
     def prepare_data(self) -> None:

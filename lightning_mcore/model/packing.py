@@ -39,3 +39,12 @@ def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     seq_of = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
     same = seq_of[:, None] == seq_of[None, :]
     return torch.tril(same)
+
+
+def forward_packed(chunk, batch: dict):
+    """One microbatch ([micro_batch, seq] tokens, labels, position_ids, segment_ids) through a
+    model chunk as a single THD row: per-token losses [1, micro_batch * seq] on the last stage,
+    hidden states elsewhere."""
+    flat = {k: batch[k].reshape(1, -1) for k in ("tokens", "labels", "position_ids")}
+    return chunk(input_ids=flat["tokens"], position_ids=flat["position_ids"], attention_mask=None,
+                 labels=flat["labels"], packed_seq_params=packed_seq_params(batch["segment_ids"]))

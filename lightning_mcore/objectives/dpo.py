@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
-from lightning_mcore.model.packing import packed_seq_params
+from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
@@ -99,16 +99,11 @@ class DPOModule(MegatronModule):
                 chunk.requires_grad_(False).eval()
 
     # ---------------------------------------------------------------- steps
-    def _model_out(self, batch: dict, chunk) -> torch.Tensor:
-        flat = {k: batch[k].reshape(1, -1) for k in ("tokens", "labels", "position_ids")}
-        return chunk(input_ids=flat["tokens"], position_ids=flat["position_ids"], attention_mask=None,
-                     labels=flat["labels"], packed_seq_params=packed_seq_params(batch["segment_ids"]))
-
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         average = self.loss_type == "ipo"
 
         def step(mb, chunk):
-            return self._model_out(mb, chunk), lambda out: pair_logps(out, mb, average)
+            return forward_packed(chunk, mb), lambda out: pair_logps(out, mb, average)
 
         strategy = self._strategy()
         if self.lora is not None:
@@ -117,7 +112,7 @@ class DPOModule(MegatronModule):
         return strategy.forward_collect(batch, step, 2, chunks=self._reference, packed=True)
 
     def forward_step(self, batch: dict, chunk):
-        out = self._model_out(batch, chunk)
+        out = forward_packed(chunk, batch)
 
         def loss_fn(token_losses):
             policy = pair_logps(token_losses, batch, average=self.loss_type == "ipo")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from lightning_mcore.model.packing import packed_seq_params
+from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.loss import masked_token_loss
 
@@ -25,12 +25,5 @@ class SFTModule(MegatronModule):
                 "SFTModule needs batches with segment_ids (one id per sample in a row, as "
                 "SFTDataModule makes them); got keys " + ", ".join(sorted(batch)) + "."
             )
-        flat = {k: batch[k].reshape(1, -1) for k in ("tokens", "labels", "position_ids")}
-        token_losses = chunk(
-            input_ids=flat["tokens"],
-            position_ids=flat["position_ids"],
-            attention_mask=None,
-            labels=flat["labels"],
-            packed_seq_params=packed_seq_params(batch["segment_ids"]),
-        )
+        token_losses = forward_packed(chunk, batch)
         return token_losses, partial(masked_token_loss, loss_mask=batch["loss_mask"])

@@ -241,48 +241,22 @@ class MegatronStrategy(DDPStrategy):
         Runs mcore's forward-only schedule one row per microbatch, gathers the vocab-parallel
         logits over tensor-parallel ranks and shares them from the last pipeline stage.
         """
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core import tensor_parallel
 
         tokens = tokens.to(self.root_device)
         rows, seq = tokens.shape
         if position_ids is None:
             position_ids = torch.arange(seq, device=self.root_device).expand(rows, seq)
         micro = [{"tokens": tokens[i : i + 1], "position_ids": position_ids[i : i + 1]} for i in range(rows)]
-        chunks = list(self.lightning_module.chunks)
-
-        def step(data_iterator, model):
-            mb = next(data_iterator)
-            out = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
-
-            def collect(output, non_loss_data=True):
-                return tensor_parallel.gather_from_tensor_model_parallel_region(output).float()
-
-            return out, collect
-
-        with self.mcore_context():
-            data = get_forward_backward_func()(
-                forward_step_func=step,
-                data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
-                model=chunks,
-                num_microbatches=rows,
-                seq_length=seq,
-                micro_batch_size=1,
-                forward_only=True,
-                collect_non_loss_data=True,
-            )
         vocab = self.lightning_module.model_config.vocab_size
-        if self.is_last_pipeline_stage:
-            logits = torch.cat(list(data))[..., :vocab].contiguous()
-        else:
-            logits = torch.empty(rows, seq, vocab, device=self.root_device)
-        if self.parallel.pipeline_model_parallel_size > 1:
-            dist.broadcast(
-                logits,
-                src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                group=parallel_state.get_pipeline_model_parallel_group(),
-            )
-        return logits
+
+        def step(mb, model):
+            out = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
+            gather = tensor_parallel.gather_from_tensor_model_parallel_region
+            return out, lambda logits: gather(logits)[..., :vocab]
+
+        chunks = list(self.lightning_module.chunks)
+        return self._forward_only(micro, step, chunks, (seq, 1), (rows, seq, vocab))
 
     @torch.no_grad()
     def forward_collect(self, batch: dict, forward_step: Callable, width: int, chunks=None,
@@ -291,14 +265,25 @@ class MegatronStrategy(DDPStrategy):
         (output, collect) and `collect(output)` gives [micro_batch, width] per microbatch on the
         last stage (e.g. per-sample log-probs); returns [rows, width] on every rank. `chunks`:
         other model chunks than the module's (a frozen reference), sharded the same way."""
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
         micro = self.split_microbatches(batch)
         chunks = list(chunks if chunks is not None else self.lightning_module.chunks)
         rows, seq = next(iter(batch.values())).shape[:2]
+        return self._forward_only(micro, forward_step, chunks, self._schedule_shape(seq, packed),
+                                  (rows, width))
+
+    def _schedule_shape(self, seq: int, packed: bool) -> tuple[int, int]:
+        """(seq_length, micro_batch_size) for mcore's schedule: a packed microbatch travels as
+        one row of micro_batch_size * seq tokens."""
         mbs = self.batch.micro_batch_size
+        return (seq * mbs, 1) if packed else (seq, mbs)
+
+    def _forward_only(self, micro: list, forward_step: Callable, chunks: list,
+                      schedule_shape: tuple[int, int], shape: tuple) -> torch.Tensor:
+        """mcore's forward-only schedule collecting `collect(output)` of every microbatch on the
+        last stage; the concatenation, reshaped to `shape`, is shared with every stage."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def step_fn(data_iterator, model):
             output, collect = forward_step(next(data_iterator), model)
@@ -310,15 +295,15 @@ class MegatronStrategy(DDPStrategy):
                 data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
                 model=chunks,
                 num_microbatches=len(micro),
-                seq_length=seq * mbs if packed else seq,
-                micro_batch_size=1 if packed else mbs,
+                seq_length=schedule_shape[0],
+                micro_batch_size=schedule_shape[1],
                 forward_only=True,
                 collect_non_loss_data=True,
             )
         if self.is_last_pipeline_stage:
-            result = torch.cat([d.float() for d in data]).reshape(rows, width)
+            result = torch.cat([d.float() for d in data]).reshape(shape).contiguous()
         else:
-            result = torch.empty(rows, width, device=self.root_device)
+            result = torch.empty(shape, device=self.root_device)
         if self.parallel.pipeline_model_parallel_size > 1:
             dist.broadcast(result, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
@@ -426,7 +411,7 @@ class MegatronStrategy(DDPStrategy):
         micro = self.split_microbatches(batch)
         chunks = list(self.lightning_module.chunks)
         iters = [iter(micro) for _ in chunks]
-        seq_length = next(iter(batch.values())).shape[1]
+        schedule_shape = self._schedule_shape(next(iter(batch.values())).shape[1], packed)
 
         if not forward_only:
             for optimizer in self.optimizers:
@@ -441,8 +426,8 @@ class MegatronStrategy(DDPStrategy):
                 data_iterator=iters if len(iters) > 1 else iters[0],
                 model=chunks,
                 num_microbatches=len(micro),
-                seq_length=seq_length * self.batch.micro_batch_size if packed else seq_length,
-                micro_batch_size=1 if packed else self.batch.micro_batch_size,
+                seq_length=schedule_shape[0],
+                micro_batch_size=schedule_shape[1],
                 forward_only=forward_only,
             )
             dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
