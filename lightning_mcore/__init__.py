@@ -1,6 +1,6 @@
 """Train and fine-tune LLMs with Megatron-Core parallelism from plain Lightning."""
 
-from lightning_mcore.callbacks import HFExport
+from lightning_mcore.callbacks import HFExport, MegatronThroughput
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
@@ -22,6 +22,7 @@ __all__ = [
     "LoRAConfig",
     "MegatronModule",
     "MegatronStrategy",
+    "MegatronThroughput",
     "OptimizerSettings",
     "ParallelConfig",
     "PretrainModule",

@@ -1,5 +1,6 @@
-"""Callbacks: HF export during training."""
+"""Callbacks: HF export during training; throughput and MFU."""
 
 from lightning_mcore.callbacks.hf_export import HFExport
+from lightning_mcore.callbacks.throughput import MegatronThroughput
 
-__all__ = ["HFExport"]
+__all__ = ["HFExport", "MegatronThroughput"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Optional, Union
 
 import lightning as L
@@ -66,7 +65,6 @@ class MegatronModule(L.LightningModule):
         self.optim = optim or OptimizerSettings()
         self.lora = lora  # LoRA adapters on the frozen base (model/lora.py), or None
         self.chunks: Optional[torch.nn.ModuleList] = None
-        self._step_started: Optional[float] = None
 
     def _strategy(self):
         from lightning_mcore.strategy.megatron import MegatronStrategy
@@ -168,15 +166,9 @@ class MegatronModule(L.LightningModule):
         self.log_dict({f"val/{k}": v for k, v in metrics.items()}, prog_bar=True, batch_size=1)
         return metrics["loss"]
 
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        self._step_started = time.perf_counter()
-
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        strategy = self._strategy()
         optimizer = self.optimizers(use_pl_optimizer=False)
-        seconds = time.perf_counter() - self._step_started
-        tokens = strategy.batch.global_batch_size * next(iter(batch.values())).shape[1]
-        logs = {"train/lr": optimizer.lr, "train/tokens_per_sec": tokens / seconds}
+        logs = {"train/lr": optimizer.lr}
         if optimizer.last_grad_norm is not None:
             logs["train/grad_norm"] = optimizer.last_grad_norm
         self.log_dict(logs, batch_size=1)

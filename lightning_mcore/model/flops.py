@@ -1,0 +1,32 @@
+"""Model FLOPs per trained token, from the model config (the numerator of MFU).
+
+Megatron-LM's convention (`num_floating_point_operations`): every matmul counts 2 FLOPs per
+multiply-add; backward costs twice the forward; attention scores are counted over the full
+s x s matrix (not halved for the causal mask); recomputation is not counted (that would be
+hardware FLOPs). A MoE layer counts the router, the top-k routed experts and the shared expert,
+i.e. the parameters a token actually passes through.
+"""
+
+from __future__ import annotations
+
+from lightning_mcore.model.config import GPTConfig
+
+
+def forward_flops_per_token(cfg: GPTConfig, seq_length: int) -> float:
+    h = cfg.hidden_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = (cfg.num_query_groups or cfg.num_attention_heads) * cfg.head_dim
+    attention = h * (q + 2 * kv) + q * h + 2 * seq_length * q  # qkv (GQA), proj, QK^T and AV
+    if cfg.num_moe_experts:
+        expert = 3 * h * (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)  # SwiGLU: gate, up, down
+        shared = 3 * h * (cfg.moe_shared_expert_intermediate_size or 0)
+        mlp = h * cfg.num_moe_experts + cfg.moe_router_topk * expert + shared
+    else:
+        mlp = 3 * h * cfg.ffn_hidden_size
+    return 2.0 * (cfg.num_layers * (attention + mlp) + h * cfg.vocab_size)  # + LM head
+
+
+def training_flops_per_token(cfg: GPTConfig, seq_length: int, frozen_base: bool = False) -> float:
+    """3 x forward. With a frozen base (LoRA) no weight gradients are computed: 2 x forward
+    (the adapters' own FLOPs are negligible at small rank)."""
+    return (2.0 if frozen_base else 3.0) * forward_flops_per_token(cfg, seq_length)
