@@ -64,6 +64,27 @@ def test_ep_not_dividing_experts():
            model=tiny_config(num_moe_experts=6), expert_model_parallel_size=4)
 
 
+def test_context_parallel_without_te_attention():
+    refuse(r"context_parallel_size=2 needs Transformer Engine attention", world=2,
+           context_parallel_size=2)
+
+
+def test_fp8_without_te():
+    refuse(r"fp8='delayed' needs Transformer Engine", model=tiny_config(fp8="delayed"))
+
+
+def test_fast_path_defaults_follow_the_device():
+    """None means: distributed optimizer + overlapped grad reduce on GPU, both off on CPU;
+    an explicit value is kept."""
+    strategy = MegatronStrategy(global_batch_size=8)
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert strategy.parallel.use_distributed_optimizer is False
+    assert strategy.parallel.overlap_grad_reduce is False
+    strategy = MegatronStrategy(global_batch_size=8, use_distributed_optimizer=True)
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert strategy.parallel.use_distributed_optimizer is True
+
+
 def test_te_on_cpu():
     refuse(r"Transformer Engine layers need a CUDA GPU", use_te=True)
 

@@ -50,6 +50,9 @@ class GPTConfig:
     transformer_impl: TransformerImpl = "auto"
     recompute_granularity: Optional[Literal["full", "selective"]] = None
     recompute_num_layers: Optional[int] = None
+    # FP8 matmuls through Transformer Engine (E4M3 forward, E5M2 gradients): "delayed" scaling
+    # (amax history) or "current" (per-tensor amax of the tensor being cast). GPU only.
+    fp8: Optional[Literal["delayed", "current"]] = None
     make_vocab_size_divisible_by: int = 128
     extra: dict[str, Any] = field(default_factory=dict)  # any other TransformerConfig field
 
@@ -130,6 +133,10 @@ def to_transformer_config(
         cross_entropy_fusion_impl="te" if use_te else "native",
         recompute_granularity=cfg.recompute_granularity,
     )
+    if cfg.fp8 is not None:
+        kwargs.update(fp8="hybrid", fp8_recipe="delayed" if cfg.fp8 == "delayed" else "tensorwise")
+        if cfg.fp8 == "delayed":  # a long amax history, max over it (NeMo's recipe)
+            kwargs.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     if cfg.recompute_granularity == "full":
         kwargs.update(recompute_method="uniform", recompute_num_layers=cfg.recompute_num_layers or 1)
     if cfg.num_moe_experts:

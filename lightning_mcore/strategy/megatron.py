@@ -13,6 +13,7 @@ virtual pipeline stage), built in `configure_model` with `strategy.build_gpt(con
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -59,8 +60,8 @@ class MegatronStrategy(DDPStrategy):
         expert_model_parallel_size: int = 1,
         expert_tensor_parallel_size: Optional[int] = None,
         sequence_parallel: bool = False,
-        use_distributed_optimizer: bool = False,
-        overlap_grad_reduce: bool = False,
+        use_distributed_optimizer: Optional[bool] = None,
+        overlap_grad_reduce: Optional[bool] = None,
         overlap_param_gather: bool = False,
         global_batch_size: int = 8,
         micro_batch_size: int = 1,
@@ -76,7 +77,11 @@ class MegatronStrategy(DDPStrategy):
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         """Parallel sizes carry Megatron's names; `checkpoint` says what checkpoints hold and
-        whether they are written asynchronously; the rest is Lightning's usual plumbing."""
+        whether they are written asynchronously; the rest is Lightning's usual plumbing.
+
+        `use_distributed_optimizer` and `overlap_grad_reduce` left at None take the fast path
+        for the device: on GPU both on (optimizer state sharded over data-parallel ranks, grad
+        reduce-scatter overlapped with backward), on CPU both off."""
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -138,9 +143,19 @@ class MegatronStrategy(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         # Lightning calls this when the Trainer is built: the earliest point at which the world
-        # size is known. Layout and batch mistakes fail here, in the main process.
+        # size and the device are known. Layout and batch mistakes fail here, in the main process.
+        self._resolve_device_defaults()
         self.validate()
         super()._configure_launcher()
+
+    def _resolve_device_defaults(self) -> None:
+        fast = not self.on_cpu
+        p = self.parallel
+        self.parallel = dataclasses.replace(
+            p,
+            use_distributed_optimizer=fast if p.use_distributed_optimizer is None else p.use_distributed_optimizer,
+            overlap_grad_reduce=fast if p.overlap_grad_reduce is None else p.overlap_grad_reduce,
+        )
 
     def setup_environment(self) -> None:
         # Checks that need the model's shape; still before any process group exists.
@@ -243,6 +258,7 @@ class MegatronStrategy(DDPStrategy):
         """
         from megatron.core import tensor_parallel
 
+        self._refuse_context_parallel("forward_logits (generation, predict)")
         tokens = tokens.to(self.root_device)
         rows, seq = tokens.shape
         if position_ids is None:
@@ -265,12 +281,38 @@ class MegatronStrategy(DDPStrategy):
         (output, collect) and `collect(output)` gives [micro_batch, width] per microbatch on the
         last stage (e.g. per-sample log-probs); returns [rows, width] on every rank. `chunks`:
         other model chunks than the module's (a frozen reference), sharded the same way."""
+        self._refuse_context_parallel("forward_collect (e.g. DPO's reference pass)")
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
         micro = self.split_microbatches(batch)
         chunks = list(chunks if chunks is not None else self.lightning_module.chunks)
         rows, seq = next(iter(batch.values())).shape[:2]
         return self._forward_only(micro, forward_step, chunks, self._schedule_shape(seq, packed),
                                   (rows, width))
+
+    def _refuse_context_parallel(self, what: str) -> None:
+        if self.parallel.context_parallel_size > 1:
+            raise NotImplementedError(
+                f"{what} with context_parallel_size > 1 is not supported: it returns whole "
+                f"sequences, which context parallelism splits over ranks. Use context_parallel_size=1."
+            )
+
+    def _context_parallel_slices(self, micro: list[dict], packed: bool) -> list[dict]:
+        """With context parallelism each rank keeps 2 of the 2*cp sequence chunks of every
+        microbatch (chunks i and 2cp-1-i: causal work balanced), as mcore's attention expects.
+
+            cp=2, seq in 4 chunks [c0 c1 c2 c3]:   cp rank 0 -> [c0 c3], cp rank 1 -> [c1 c2]
+
+        Token losses and counts from both halves meet in the data-parallel x cp reduction."""
+        if self.parallel.context_parallel_size == 1:
+            return micro
+        if packed:
+            raise NotImplementedError(
+                "context_parallel_size > 1 with packed (THD) sequences is not supported yet; "
+                "use context_parallel_size=1 for SFT/DPO, or pretraining (PretrainModule) with CP."
+            )
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        return [get_batch_on_this_cp_rank(dict(mb)) for mb in micro]
 
     def _schedule_shape(self, seq: int, packed: bool) -> tuple[int, int]:
         """(seq_length, micro_batch_size) for mcore's schedule: a packed microbatch travels as
@@ -408,10 +450,10 @@ class MegatronStrategy(DDPStrategy):
         from lightning_mcore.objectives.loss import reduce_metrics
 
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
-        micro = self.split_microbatches(batch)
+        micro = self._context_parallel_slices(self.split_microbatches(batch), packed)
         chunks = list(self.lightning_module.chunks)
         iters = [iter(micro) for _ in chunks]
-        schedule_shape = self._schedule_shape(next(iter(batch.values())).shape[1], packed)
+        schedule_shape = self._schedule_shape(next(iter(micro[0].values())).shape[1], packed)
 
         if not forward_only:
             for optimizer in self.optimizers:
@@ -469,8 +511,6 @@ class MegatronStrategy(DDPStrategy):
         return {}  # likewise
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
-        import dataclasses
-
         from lightning_mcore.strategy import checkpoint_io
 
         module = self.lightning_module

@@ -34,8 +34,8 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
+    use_distributed_optimizer: Optional[bool] = False  # None: the strategy picks per device
+    overlap_grad_reduce: Optional[bool] = False
     overlap_param_gather: bool = False
 
     def sizes(self) -> dict:
@@ -141,6 +141,17 @@ def validate_layout(
 
     if model is not None:
         _validate_model(p, model, world_size)
+        if model.fp8 and not use_te:
+            raise LayoutError(
+                f"fp8={model.fp8!r} needs Transformer Engine layers on a GPU (Hopper or newer); "
+                f"set fp8=None on this device."
+            )
+        if cp > 1 and not use_te:
+            raise LayoutError(
+                f"context_parallel_size={cp} needs Transformer Engine attention (ring attention "
+                f"over the cp group): run on GPU with transformer_impl 'auto' or "
+                f"'transformer_engine', or set context_parallel_size=1."
+            )
 
 
 def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> None:
