@@ -1,14 +1,15 @@
-"""Pretraining throughput: lightning-mcore (Trainer + MegatronStrategy) vs a raw mcore loop.
-
-Both sides use the same TransformerConfig (built by lightning_mcore.model.config), the same
-Transformer Engine layer spec, mcore DDP + distributed optimizer with overlapped grad reduce,
-the same synthetic token batches from a CPU DataLoader, and the same step count. Launch with
-torchrun (one process per GPU):
+"""One pretraining throughput run (one process per GPU, under torchrun): lightning-mcore, a raw
+mcore loop, or HF transformers, on the same model shape and the same batches.
 
     torchrun --nproc-per-node 1 benchmarks/bench_pretrain.py --impl raw
     torchrun --nproc-per-node 2 benchmarks/bench_pretrain.py --impl lightning --tp 2
+    torchrun --nproc-per-node 1 benchmarks/bench_pretrain.py --impl hf-compile
 
-Prints one JSON line (rank 0): tokens/s/GPU, MFU, peak memory, mean step time.
+raw and lightning share the TransformerConfig (lightning_mcore.model.config), mcore's GPTModel
+with the Transformer Engine spec, mcore DDP + distributed optimizer with overlapped grad
+reduce, and the schedule from get_forward_backward_func; raw has no Lightning in the loop.
+benchmarks/compare.py runs the cases of issue 9 and prints ratios. Prints one `RESULT {json}`
+line (rank 0): tokens/s/GPU, MFU, peak memory, mean step time (and per-step losses on request).
 """
 
 from __future__ import annotations
@@ -25,27 +26,37 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mcore import GPTConfig
 from lightning_mcore.strategy.parallel import ParallelConfig
 
-PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+PEAK_BF16_TFLOPS = 989.4  # H100 SXM / H200 dense bf16
 
+_LLAMA = dict(vocab_size=128256, rotary_base=500000.0)
 SHAPES = {
     "llama-1.2b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
-                       num_query_groups=8, vocab_size=128256, rotary_base=500000.0),
+                       num_query_groups=8, **_LLAMA),
     "llama-3b": dict(num_layers=28, hidden_size=3072, ffn_hidden_size=8192, num_attention_heads=24,
-                     num_query_groups=8, vocab_size=128256, rotary_base=500000.0),
+                     num_query_groups=8, **_LLAMA),
     "llama-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-                     num_query_groups=8, vocab_size=128256, rotary_base=500000.0),
+                     num_query_groups=8, **_LLAMA),
+    # Qwen3-30B-A3B's layer (64 of its 128 experts) at 12 layers: 4.0B parameters, 0.9B active
+    "qwen3-moe-small": dict(num_layers=12, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                            num_query_groups=4, kv_channels=128, qk_layernorm=True, vocab_size=151936,
+                            rotary_base=1000000.0, norm_epsilon=1e-6, num_moe_experts=64,
+                            moe_router_topk=8, moe_ffn_hidden_size=768, moe_grouped_gemm=True,
+                            moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=False),
 }
 
 
 def flops_per_token(cfg: GPTConfig, seq: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward), Megatron's convention:
-    all matmuls incl. the LM head, attention scores over the full s x s matrix (not halved)."""
+    """The benchmark's own count (Megatron's convention: 3 x forward matmuls, full s x s
+    attention, LM head, MoE top-k experts + router); written out here independently of
+    lightning_mcore.model.flops, which the MegatronThroughput callback uses."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = (cfg.num_query_groups or cfg.num_attention_heads) * cfg.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.ffn_hidden_size  # qkv, proj, SwiGLU
-    attention = 2 * seq * q  # QK^T and AV
-    forward = 2 * (cfg.num_layers * (per_layer + attention) + h * cfg.vocab_size)
-    return 3.0 * forward
+    if cfg.num_moe_experts:
+        mlp = cfg.moe_router_topk * 3 * h * cfg.moe_ffn_hidden_size + h * cfg.num_moe_experts
+    else:
+        mlp = 3 * h * cfg.ffn_hidden_size
+    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * seq * q
+    return 3.0 * 2 * (cfg.num_layers * per_layer + h * cfg.vocab_size)
 
 
 class RandomTokens(Dataset):
@@ -66,6 +77,7 @@ class StepTimer:
 
     def __init__(self, profile: bool = False) -> None:
         self.times: list[float] = []
+        self.losses: list[float] = []
         self._t = 0.0
         self.profile = profile
         self._prof = None
@@ -86,7 +98,7 @@ class StepTimer:
             if int(os.environ.get("RANK", 0)) == 0:
                 ka = self._prof.key_averages()
                 print(ka.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
-                print(ka.table(sort_by="self_device_time_total", row_limit=8), flush=True)
+                print(ka.table(sort_by="self_device_time_total", row_limit=15), flush=True)
             self._prof = None
 
 
@@ -94,40 +106,33 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     from megatron.core import parallel_state
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=parallel.tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(**parallel.sizes())
     model_parallel_cuda_manual_seed(1234)
     tf = to_transformer_config(cfg, parallel, torch.bfloat16, on_cpu=False, use_te=True)
-    model = GPTModel(
-        config=tf, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
-        vocab_size=cfg.padded_vocab_size(parallel.tensor_model_parallel_size),
-        max_sequence_length=cfg.seq_length, pre_process=True, post_process=True,
-        parallel_output=True, share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=int(cfg.rotary_base),
-    ).cuda()
-    ddp = DistributedDataParallel(
-        config=tf, module=model,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
-            check_for_nan_in_grad=False),
-    )
-    tf.no_sync_func, tf.grad_sync_func = ddp.no_sync, ddp.start_grad_sync
+    chunks = [c.cuda() for c in build_chunks(cfg, tf, use_te=True)]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                               use_distributed_optimizer=True, check_for_nan_in_grad=False)
+    chunks = [DistributedDataParallel(config=tf, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+              for i, c in enumerate(chunks)]
+    tf.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    tf.grad_sync_func = [c.start_grad_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_grad_sync
     tf.finalize_model_grads_func = finalize_model_grads
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0,
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0,
                         bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True),
-        [ddp])
+        chunks)
     fb = get_forward_backward_func()
+    cp = parallel.context_parallel_size
 
     def forward_step(it, m):
         b = next(it)
@@ -142,88 +147,140 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
         return out, loss_fn
 
     timer = StepTimer(args.profile)
-    steps = 0
-    for batch in loader:
-        if steps == args.steps:
+    for step, batch in enumerate(loader):
+        if step == args.steps:
             break
         timer.start()
         batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
         micro = [{k: v[i:i + args.mbs] for k, v in batch.items()}
                  for i in range(0, batch["tokens"].shape[0], args.mbs)]
-        ddp.zero_grad_buffer()
+        if cp > 1:
+            micro = [get_batch_on_this_cp_rank(mb) for mb in micro]
+        for c in chunks:
+            c.zero_grad_buffer()
         opt.zero_grad()
-        fb(forward_step_func=forward_step, data_iterator=iter(micro), model=[ddp],
-           num_microbatches=len(micro), seq_length=cfg.seq_length, micro_batch_size=args.mbs)
+        outputs = fb(forward_step_func=forward_step,
+                     data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
+                     model=chunks, num_microbatches=len(micro), seq_length=args.seq // cp,
+                     micro_batch_size=args.mbs)
         opt.step()
         timer.stop()
-        steps += 1
+        if args.losses and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            total = torch.stack([o["loss"] for o in outputs]).sum(0)
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            timer.losses.append(float(total[0] / total[1]))
     return timer
 
 
 def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer:
+    """lightning-mcore with its defaults on GPU (distributed optimizer, overlapped grad reduce)
+    and the MegatronThroughput callback, whose logged MFU is reported next to ours."""
     import lightning as L
 
-    from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
+    from lightning_mcore import MegatronStrategy, MegatronThroughput, OptimizerSettings, PretrainModule
 
     timer = StepTimer(args.profile)
+    logged: dict = {}
 
     class Timing(L.Callback):
         def on_train_batch_start(self, *a):
             timer.start()
 
-        def on_train_batch_end(self, *a):
+        def on_train_batch_end(self, trainer, *a):
             timer.stop()
+            if args.losses:
+                timer.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+        def on_train_end(self, trainer, *a):
+            logged.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("perf/")})
 
     strategy = MegatronStrategy(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        sequence_parallel=parallel.sequence_parallel,
-        use_distributed_optimizer=True, overlap_grad_reduce=True,
+        **parallel.sizes(), sequence_parallel=parallel.sequence_parallel,
         global_batch_size=args.gbs, micro_batch_size=args.mbs,
     )
+    window = args.steps - args.warmup + 1  # the callback's window = the steps timed here
     trainer = L.Trainer(accelerator="gpu", devices=int(os.environ.get("WORLD_SIZE", 1)),
                         strategy=strategy, precision="bf16-mixed", max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Timing()], num_sanity_val_steps=0)
-    module = PretrainModule(cfg, OptimizerSettings(lr=1e-4, weight_decay=0.01, clip_grad=1.0))
-    trainer.fit(module, loader)
+                        enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[Timing(), MegatronThroughput(window_size=window)])
+    optim = OptimizerSettings(lr=args.lr, min_lr=args.lr / 10, weight_decay=0.01, clip_grad=1.0,
+                              warmup_steps=args.lr_warmup, decay_style="cosine" if args.lr_warmup else "constant")
+    trainer.fit(PretrainModule(cfg, optim), loader)
+    timer.callback = logged
+    assert strategy.parallel.use_distributed_optimizer and strategy.parallel.overlap_grad_reduce
     return timer
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=["raw", "lightning"], required=True)
+    ap.add_argument("--impl", choices=["raw", "lightning", "hf-eager", "hf-compile"], required=True)
     ap.add_argument("--shape", default="llama-1.2b", choices=sorted(SHAPES))
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=None)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    ap.add_argument("--fp8", choices=["delayed", "current"], default=None)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--gbs", type=int, default=8, help="global batch (sequences per step)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed first steps")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr-warmup", type=int, default=0, help="LR warmup steps, then cosine (lightning)")
+    ap.add_argument("--data", default="random", help="'random' or a real_text.py token directory")
+    ap.add_argument("--losses", action="store_true", help="report every step's loss")
+    ap.add_argument("--recompute", choices=["full", "selective"], default=None)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of steps 10-12")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", 1))
-    cfg = GPTConfig(**SHAPES[args.shape], seq_length=args.seq, transformer_impl="transformer_engine")
-    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1 and not args.no_sp,
-                              use_distributed_optimizer=True, overlap_grad_reduce=True)
-    dp = world // args.tp
-    loader = DataLoader(RandomTokens(args.gbs * (args.steps + 2), args.seq, cfg.vocab_size),
-                        batch_size=args.gbs // dp, num_workers=2, pin_memory=True)
-    timer = (run_raw if args.impl == "raw" else run_lightning)(cfg, parallel, args, loader)
+    shape = dict(SHAPES[args.shape])
+    if args.data != "random":
+        from real_text import TokenWindows
+
+        data = TokenWindows(args.data, args.seq)
+        shape["vocab_size"] = data.vocab_size
+    cfg = GPTConfig(**shape, seq_length=args.seq, transformer_impl="transformer_engine", fp8=args.fp8,
+                    recompute_granularity=args.recompute)
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp,
+        expert_model_parallel_size=args.ep, expert_tensor_parallel_size=1 if args.ep > 1 else None,
+        sequence_parallel=args.tp > 1 and not args.no_sp, use_distributed_optimizer=True,
+        overlap_grad_reduce=True)
+    dp = world // (args.tp * args.pp * args.cp)
+    if args.data == "random":
+        data = RandomTokens(args.gbs * (args.steps + 2), args.seq, cfg.vocab_size)
+    loader = DataLoader(data, batch_size=args.gbs // dp, num_workers=2, pin_memory=True)
+    if args.impl.startswith("hf"):
+        from hf_baseline import run_hf
+
+        timer = run_hf(shape, args, loader, compile=args.impl == "hf-compile")
+    else:
+        timer = (run_raw if args.impl == "raw" else run_lightning)(cfg, parallel, args, loader)
 
     if int(os.environ.get("RANK", 0)) == 0:
         timed = timer.times[args.warmup:]
         step = sum(timed) / len(timed)
         tokens_per_gpu = args.gbs * args.seq / step / world
         mfu = tokens_per_gpu * flops_per_token(cfg, args.seq) / (PEAK_BF16_TFLOPS * 1e12)
-        print("RESULT " + json.dumps({
-            "impl": args.impl, "shape": args.shape, "gpus": world, "tp": args.tp, "seq": args.seq,
-            "sp": parallel.sequence_parallel, "mbs": args.mbs, "gbs": args.gbs, "timed_steps": len(timed), "step_s": round(step, 4),
+        result = {
+            "impl": args.impl, "shape": args.shape, "gpus": world, "tp": args.tp, "pp": args.pp,
+            "vpp": args.vpp, "cp": args.cp, "ep": args.ep, "sp": parallel.sequence_parallel,
+            "fp8": args.fp8, "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,
+            "timed_steps": len(timed), "step_s": round(step, 4),
             "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(mfu, 4),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        }), flush=True)
+        }
+        if getattr(timer, "callback", None):
+            result["callback"] = timer.callback
+        if timer.losses:
+            result["losses"] = [round(x, 4) for x in timer.losses]
+        print("RESULT " + json.dumps(result), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

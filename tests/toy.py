@@ -100,7 +100,8 @@ def fit(tmp_path: Path, devices: int = 1, steps: int = 3, gbs: int = 8, mbs: int
                                 start_method=start_method, **parallel)
     tp = parallel.get("tensor_model_parallel_size", 1)
     pp = parallel.get("pipeline_model_parallel_size", 1)
-    dp = devices // (tp * pp)
+    cp = parallel.get("context_parallel_size", 1)
+    dp = devices // (tp * pp * cp)
     out = Path(tmp_path) / f"{name}.json"
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,

@@ -1,0 +1,129 @@
+"""Issue 9's benchmark cases in one run: each implementation of a case on the same shape and
+batches (bench_pretrain.py under torchrun), then a table with tokens/s/GPU, MFU, peak memory
+and the ratios against the raw mcore loop and HF transformers.
+
+    python benchmarks/compare.py --cases 1b fp8 --out results.jsonl
+    python benchmarks/compare.py --cases all
+
+Cases needing more GPUs than the machine has are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+
+# case -> [(gpus, label, bench_pretrain.py arguments)]
+CASES = {
+    "1b": [  # 1.2B Llama shape, seq 4096, 1 GPU
+        (1, "raw", "--impl raw --mbs 4"),
+        (1, "lightning", "--impl lightning --mbs 4"),
+        (1, "hf-eager", "--impl hf-eager --mbs 1"),
+        (1, "hf-compile", "--impl hf-compile --mbs 1"),
+    ],
+    "fp8": [  # 3B shape: bf16 vs FP8 (delayed, current); speed and a 200-step loss curve on real text
+        (1, "bf16", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 200 --warmup 20 "
+                    "--lr 3e-4 --lr-warmup 20 --losses --data {text}"),
+        (1, "fp8-delayed", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 200 --warmup 20 "
+                           "--lr 3e-4 --lr-warmup 20 --losses --data {text} --fp8 delayed"),
+        (1, "fp8-current", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 200 --warmup 20 "
+                           "--lr 3e-4 --lr-warmup 20 --losses --data {text} --fp8 current"),
+    ],
+    "8b-tp2": [  # Llama-3-8B shape, TP=2 + SP, 2 GPUs
+        (2, "raw", "--impl raw --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
+        (2, "lightning", "--impl lightning --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
+    ],
+    "dp4": [  # data-parallel scaling: 1 GPU vs DP=4 at the same per-GPU batch
+        (1, "lightning-1gpu", "--impl lightning --mbs 4 --gbs 8"),
+        (4, "lightning-dp4", "--impl lightning --mbs 4 --gbs 32"),
+        (4, "raw-dp4", "--impl raw --mbs 4 --gbs 32"),
+    ],
+    "pp2-vpp": [  # 3B shape, PP=2 with 2 virtual stages per rank, 2 GPUs
+        (2, "raw", "--impl raw --shape llama-3b --pp 2 --vpp 2 --mbs 1 --gbs 16 --steps 20 --warmup 8"),
+        (2, "lightning", "--impl lightning --shape llama-3b --pp 2 --vpp 2 --mbs 1 --gbs 16 --steps 20 --warmup 8"),
+    ],
+    "cp2": [  # 1.2B shape, CP=2 at seq 16k, 2 GPUs
+        (2, "raw", "--impl raw --cp 2 --seq 16384 --mbs 1 --gbs 4 --steps 20 --warmup 8"),
+        (2, "lightning", "--impl lightning --cp 2 --seq 16384 --mbs 1 --gbs 4 --steps 20 --warmup 8"),
+    ],
+    "moe": [  # small Qwen3-MoE, EP=2, grouped GEMM, alltoall dispatcher, 2 GPUs
+        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
+        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
+    ],
+}
+
+
+def run(gpus: int, args: str, log) -> dict | None:
+    cmd = ["torchrun", "--standalone", f"--nproc-per-node={gpus}", str(HERE / "bench_pretrain.py"), *args.split()]
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    log.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
+    log.flush()
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    print(f"  failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-1:] }", flush=True)
+    return None
+
+
+def summarize(case: str, results: dict) -> None:
+    print(f"\n== {case}")
+    print(f"{'run':16} {'tok/s/GPU':>10} {'MFU':>7} {'callback MFU':>13} {'mem GiB':>8} {'final loss':>10}")
+    for label, r in results.items():
+        cb = r.get("callback", {}).get("perf/mfu")
+        loss = r["losses"][-1] if r.get("losses") else None
+        print(f"{label:16} {r['tokens_per_s_per_gpu']:>10} {100 * r['mfu']:>6.1f}% "
+              f"{(f'{cb:.1f}%' if cb is not None else '-'):>13} {r['peak_mem_gb']:>8} "
+              f"{(f'{loss:.4f}' if loss is not None else '-'):>10}")
+    tok = {k: r["tokens_per_s_per_gpu"] for k, r in results.items()}
+    pairs = [("lightning", "raw"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
+             ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("lightning-dp4", "lightning-1gpu"),
+             ("raw-dp4", "lightning-1gpu")]
+    for a, b in pairs:
+        if a in tok and b in tok:
+            print(f"  {a} / {b}: {tok[a] / tok[b]:.3f}x")
+    for a in ("fp8-delayed", "fp8-current"):
+        if a in results and "bf16" in results and results[a].get("losses"):
+            tail = lambda r: sum(r["losses"][-20:]) / 20  # noqa: E731  mean of the last 20 steps
+            rel = tail(results[a]) / tail(results["bf16"]) - 1
+            print(f"  {a} loss (mean of last 20 steps) vs bf16: {100 * rel:+.2f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["all"], choices=["all", *CASES])
+    ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/bench_results.jsonl")
+    ap.add_argument("--text", default="/tmp/stdlib_tokens", help="real_text.py output (built if missing)")
+    args = ap.parse_args()
+    cases = list(CASES) if "all" in args.cases else args.cases
+    gpus = torch.cuda.device_count()
+    if "fp8" in cases and not Path(args.text, "tokens.npy").exists():
+        subprocess.run([sys.executable, str(HERE / "real_text.py"), "--out", args.text], check=True)
+    out = open(args.out, "a")
+    log = open(Path(args.out).with_suffix(".log"), "a")
+    for case in cases:
+        results = {}
+        for need, label, bench_args in CASES[case]:
+            if need > gpus:
+                print(f"{case}/{label}: skipped, needs {need} GPUs (have {gpus})", flush=True)
+                continue
+            print(f"{case}/{label} ...", flush=True)
+            r = run(need, bench_args.format(text=args.text), log)
+            if r is not None:
+                r.update(case=case, label=label)
+                out.write(json.dumps(r) + "\n")
+                out.flush()
+                results[label] = r
+        summarize(case, results)
+
+
+if __name__ == "__main__":
+    main()
