@@ -1,15 +1,51 @@
-"""Every config in configs/ parses and instantiates (trainer, strategy, module, data module)
-short of building the model; a wrong key fails naming the key."""
+"""Every config in configs/ parses and instantiates (trainer, strategy, module with its GPTConfig,
+data module) short of building the model, and its parallel layout fits the model's shape and the
+world size. GPU configs run here with `--trainer.accelerator cpu` (same devices); HF model paths
+point at stub directories holding the real models' config.json (no weights) and the bundled
+tokenizer; data paths at the bundled samples. Config mistakes (unknown key, wrong type, a layout
+that cannot work, a missing model directory) end with a message naming the key, exit code 2 and
+no traceback, before any process starts."""
 
 import os
+import shutil
 from pathlib import Path
 
+import lightning as L
 import pytest
+import yaml
 
 from lightning_mcore.cli import MegatronCLI
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+TOKENIZER = ROOT / "configs" / "sample_data" / "tokenizer"
+SAMPLES = {  # data module class -> bundled sample for its `paths`
+    "lightning_mcore.data.SFTDataModule": "configs/sample_data/sft.jsonl",
+    "lightning_mcore.data.DPODataModule": "configs/sample_data/dpo.jsonl",
+    "lightning_mcore.data.PretrainDataModule": "configs/sample_data/sample.txt",
+}
+
+# The real models' config.json values (no weights are ever read at instantiation).
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
+    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009,
+)
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+    tie_word_embeddings=False, use_sliding_window=False, router_aux_loss_coef=0.001,
+    bos_token_id=151643, eos_token_id=151645,
+)
+# Placeholder model directories the configs may name -> (transformers config class, values).
+HF_STUBS = {
+    "checkpoints/Meta-Llama-3-8B-Instruct": ("LlamaConfig", LLAMA3_8B),
+    "checkpoints/Qwen3-30B-A3B": ("Qwen3MoeConfig", QWEN3_30B_A3B),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -26,21 +62,273 @@ def no_leaked_seed():
             os.environ[name] = value
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_config_instantiates(name, monkeypatch, tmp_path):
+@pytest.fixture(autouse=True)
+def no_fit(monkeypatch):
+    """Nothing here may start training (a missed error would otherwise launch processes)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("Trainer.fit must not run in config tests")
+
+    monkeypatch.setattr(L.Trainer, "fit", refuse)
     monkeypatch.chdir(ROOT)
-    cli = MegatronCLI(args=["--config", f"configs/{name}", "--trainer.logger", "false",
-                            "--data.init_args.cache_dir", str(tmp_path)], run=False)
+
+
+@pytest.fixture(scope="module")
+def hf_stubs(tmp_path_factory):
+    """Placeholder path -> a directory with the real config.json and the bundled tokenizer."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for placeholder, (config_class, values) in HF_STUBS.items():
+        directory = root / Path(placeholder).name
+        getattr(transformers, config_class)(**values).save_pretrained(directory)
+        for file in TOKENIZER.iterdir():
+            shutil.copy(file, directory / file.name)
+        dirs[placeholder] = str(directory)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def indexed_prefix(tmp_path_factory):
+    """A tiny mcore indexed dataset of the bundled sample text."""
+    from lightning_mcore.data.preprocess import main as preprocess
+
+    out = tmp_path_factory.mktemp("indexed")
+    preprocess(["--input", str(ROOT / "configs" / "sample_data" / "sample.txt"),
+                "--tokenizer", str(TOKENIZER), "--output-prefix", str(out / "sample"),
+                "--append-eos", "--cache-dir", str(out / "cache")])
+    return str(out / "sample")
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((ROOT / "configs" / name).read_text())
+
+
+def runnable_args(name: str, tmp_path, hf_stubs, indexed_prefix) -> list:
+    """`--config configs/NAME` plus what makes it instantiate here: CPU instead of GPU (devices
+    kept), stub HF directories, bundled data, outputs and caches under tmp_path."""
+    cfg = load(name)
+    trainer, model, data = cfg["trainer"], cfg["model"]["init_args"], cfg["data"]["init_args"]
+    args = ["--config", f"configs/{name}", "--data.init_args.cache_dir", str(tmp_path / "cache")]
+    if trainer.get("accelerator") == "gpu":
+        args += ["--trainer.accelerator", "cpu"]
+    if trainer.get("logger"):
+        args += ["--trainer.logger.init_args.save_dir", str(tmp_path / "logs")]
+    if isinstance(model["model"], str):
+        assert model["model"] in hf_stubs, f"{name}: unknown placeholder model {model['model']}"
+        args += ["--model.init_args.model", hf_stubs[model["model"]]]
+    tokenizer = data["tokenizer"]
+    if tokenizer in hf_stubs:
+        args += ["--data.init_args.tokenizer", hf_stubs[tokenizer]]
+    elif not (ROOT / tokenizer).is_dir():
+        args += ["--data.init_args.tokenizer", str(TOKENIZER)]
+    if data.get("paths") is not None and not (ROOT / data["paths"]).exists():
+        args += ["--data.init_args.paths", SAMPLES[cfg["data"]["class_path"]]]
+    if data.get("indexed_prefixes") is not None:
+        args += ["--data.init_args.indexed_prefixes", f'["{indexed_prefix}"]']
+    return args
+
+
+def callback(cli, cls_name: str):
+    found = [c for c in cli.trainer.callbacks if type(c).__name__ == cls_name]
+    assert len(found) == 1, [type(c).__name__ for c in cli.trainer.callbacks]
+    return found[0]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_instantiates(name, tmp_path, hf_stubs, indexed_prefix):
     from lightning_mcore import MegatronModule, MegatronStrategy
 
-    assert isinstance(cli.model, MegatronModule) and cli.model.chunks is None
-    assert isinstance(cli.trainer.strategy, MegatronStrategy)
+    cfg = load(name)
+    header = (ROOT / "configs" / name).read_text().split("\n")[0]
+    assert header.startswith("# ") and f"--config configs/{name}" in (ROOT / "configs" / name).read_text()
+    cli = MegatronCLI(args=runnable_args(name, tmp_path, hf_stubs, indexed_prefix), run=False)
+    strategy, module = cli.trainer.strategy, cli.model
+
+    assert isinstance(module, MegatronModule) and module.chunks is None
+    assert isinstance(strategy, MegatronStrategy)
     assert cli.datamodule is not None
+    # The layout fits the world size of the config (devices kept) and the model's shape.
+    devices = cfg["trainer"]["devices"] * cfg["trainer"].get("num_nodes", 1)
+    assert strategy.num_nodes * strategy.num_processes == devices
+    strategy.validate(module.model_config)
+    # mcore accepts the resulting TransformerConfig (CPU flavour: local spec, no fusions).
+    tf = strategy.transformer_config(module.model_config)
+    assert tf.num_layers == module.model_config.num_layers
+    assert tf.tensor_model_parallel_size == strategy.parallel.tensor_model_parallel_size
+    assert cli.datamodule.hparams.seq_length <= module.model_config.seq_length
+
+    if cfg["trainer"].get("accelerator") == "gpu":  # what every GPU config carries
+        assert str(cli.trainer.precision) == "bf16-mixed"
+        callback(cli, "MegatronThroughput")
+        callback(cli, "ModelCheckpoint")
+        assert type(cli.trainer.logger).__name__ in ("CSVLogger", "TensorBoardLogger")
 
 
-def test_wrong_key_is_named(monkeypatch, capsys):
-    monkeypatch.chdir(ROOT)
-    with pytest.raises(SystemExit):
-        MegatronCLI(args=["--config", "configs/sft.yaml", "--model.init_args.optim.learning_rate", "1"],
-                    run=False)
-    assert "learning_rate" in capsys.readouterr().err
+def hf_cli(name, tmp_path, hf_stubs, indexed_prefix, *extra):
+    return MegatronCLI(args=runnable_args(name, tmp_path, hf_stubs, indexed_prefix) + list(extra),
+                       run=False)
+
+
+def test_llama3_8b_sft_lora(tmp_path, hf_stubs):
+    cli = hf_cli("llama3_8b_sft_lora.yaml", tmp_path, hf_stubs, None)
+    mc, p = cli.model.model_config, cli.trainer.strategy.parallel
+    assert (mc.num_layers, mc.hidden_size, mc.ffn_hidden_size) == (32, 4096, 14336)
+    assert (mc.num_attention_heads, mc.num_query_groups, mc.vocab_size) == (32, 8, 128256)
+    assert mc.seq_length == 4096 and mc.rotary_base == 500000 and cli.model.hf_family == "llama"
+    assert (p.tensor_model_parallel_size, p.sequence_parallel, cli.trainer.num_devices) == (2, True, 2)
+    lora = cli.model.lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (16, 32, "all-linear")
+    assert callback(cli, "HFExport").mode == "peft"
+    dm = cli.datamodule
+    assert type(dm).__name__ == "SFTDataModule" and dm.hparams.chat_template is None
+    assert dm.hparams.tokenizer == cli.model.hf_path and dm.hparams.seq_length == 4096
+
+
+def test_llama3_8b_sft(tmp_path, hf_stubs):
+    cli = hf_cli("llama3_8b_sft.yaml", tmp_path, hf_stubs, None)
+    mc, s = cli.model.model_config, cli.trainer.strategy
+    p = s.parallel
+    assert (mc.num_layers, mc.num_query_groups) == (32, 8) and cli.model.lora is None
+    assert mc.recompute_granularity in ("full", "selective")
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (2, 2)
+    assert s.num_processes in (4, 8) and s.data_parallel_size == s.num_processes // 4
+    assert p.use_distributed_optimizer and p.overlap_grad_reduce
+    assert s.transformer_config(mc).recompute_granularity == mc.recompute_granularity
+    assert callback(cli, "HFExport").mode == "full"
+
+
+def test_qwen3_30b_a3b_sft(tmp_path, hf_stubs):
+    cli = hf_cli("qwen3_30b_a3b_sft.yaml", tmp_path, hf_stubs, None)
+    mc, s = cli.model.model_config, cli.trainer.strategy
+    p = s.parallel
+    assert (mc.num_layers, mc.num_query_groups, mc.num_moe_experts, mc.moe_router_topk) == (48, 4, 128, 8)
+    assert mc.moe_ffn_hidden_size == 768 and mc.qk_layernorm and cli.model.hf_family == "qwen3_moe"
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (2, 2)
+    assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size) == (4, 1)
+    assert p.sequence_parallel and p.use_distributed_optimizer and s.num_processes == 8
+    assert mc.moe_grouped_gemm and mc.moe_token_dispatcher_type == "alltoall"
+    assert mc.recompute_granularity in ("full", "selective")
+    tf = s.transformer_config(mc)
+    assert tf.moe_grouped_gemm and tf.moe_token_dispatcher_type == "alltoall"
+    assert (tf.expert_model_parallel_size, tf.expert_tensor_parallel_size) == (4, 1)
+    assert tf.num_moe_experts == 128 and tf.moe_aux_loss_coeff > 0
+
+
+def test_llama3_8b_dpo_lora(tmp_path, hf_stubs):
+    cli = hf_cli("llama3_8b_dpo_lora.yaml", tmp_path, hf_stubs, None)
+    from lightning_mcore import DPOModule
+    from lightning_mcore.data import DPODataModule
+
+    assert isinstance(cli.model, DPOModule) and isinstance(cli.datamodule, DPODataModule)
+    assert (cli.model.model_config.num_layers, cli.model.model_config.num_query_groups) == (32, 8)
+    assert cli.model.lora.rank == 16 and cli.model.beta == pytest.approx(0.1)
+    assert cli.trainer.strategy.parallel.tensor_model_parallel_size == 2
+    assert cli.datamodule.hparams.tokenizer == cli.model.hf_path
+
+
+def test_pretrain_indexed(tmp_path, hf_stubs, indexed_prefix):
+    # The sample text has ~20k tokens: too few documents for a validation split of 4097-token rows.
+    cli = hf_cli("pretrain_indexed.yaml", tmp_path, hf_stubs, indexed_prefix, "--data.init_args.val_split", "0")
+    mc, s = cli.model.model_config, cli.trainer.strategy
+    assert (mc.num_layers, mc.hidden_size, mc.ffn_hidden_size) == (16, 2048, 8192)
+    assert (mc.num_attention_heads, mc.num_query_groups, mc.vocab_size, mc.seq_length) == (32, 8, 128256, 4096)
+    # ~1B parameters: embeddings (tied) + per layer attention (GQA) and SwiGLU.
+    h, kv = mc.hidden_size, mc.num_query_groups * mc.head_dim
+    params = mc.vocab_size * h + mc.num_layers * (2 * h * h + 2 * h * kv + 3 * h * mc.ffn_hidden_size)
+    assert 1.0e9 < params < 1.5e9, params
+    assert s.parallel.use_distributed_optimizer and s.num_processes == 8
+    dm = cli.datamodule
+    assert dm.hparams.paths is None and dm.indexed_prefixes == [indexed_prefix]
+    dm.setup("fit")  # mcore's GPTDataset opens the .bin/.idx: 4097-token samples of the sample text
+    sample = dm.train_dataset[0]
+    assert sample["tokens"].shape == (4096,) and len(dm.train_dataset) >= 1
+
+
+# ---------------------------------------------------------------------- config mistakes
+def fails(capsys, *args) -> str:
+    """Run `lightning-mcore fit ...`; it must exit with code 2 and no traceback. Returns stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        MegatronCLI(args=["fit", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_wrong_key_is_named(capsys):
+    err = fails(capsys, "--config", "configs/sft.yaml", "--model.init_args.optim.learning_rate", "1")
+    assert "learning_rate" in err
+
+
+def test_wrong_type_is_named(capsys):
+    err = fails(capsys, "--config", "configs/sft.yaml", "--trainer.max_steps", "abc")
+    assert "trainer.max_steps" in err and "abc" in err
+
+
+def test_layout_world_size_mistake_is_named(capsys):
+    err = fails(capsys, "--config", "configs/sft.yaml",
+                "--trainer.strategy.init_args.tensor_model_parallel_size", "3")
+    assert "error: invalid parallel layout" in err
+    assert "trainer.strategy.init_args.tensor_model_parallel_size=3" in err
+    assert "trainer.devices=2" in err and "world size 2 is not divisible" in err
+
+
+def test_layout_model_shape_mistake_is_named(capsys):
+    # 4 ranks hold TP=4 fine, but the model has 2 query groups: refused before fit starts.
+    err = fails(capsys, "--config", "configs/sft.yaml", "--trainer.devices", "4",
+                "--trainer.strategy.init_args.tensor_model_parallel_size", "4")
+    assert "error: invalid parallel layout" in err
+    assert "trainer.strategy.init_args.tensor_model_parallel_size=4" in err
+    assert "model.init_args.model.num_query_groups=2" in err
+
+
+def test_layout_mistake_names_hf_model(capsys, tmp_path, hf_stubs):
+    # Llama-3-8B has 8 key/value heads: TP=16 cannot split them.
+    args = runnable_args("llama3_8b_sft_lora.yaml", tmp_path, hf_stubs, None)
+    err = fails(capsys, *args, "--trainer.devices", "16",
+                "--trainer.strategy.init_args.tensor_model_parallel_size", "16")
+    assert "trainer.strategy.init_args.tensor_model_parallel_size=16" in err
+    assert f"model.init_args.model={hf_stubs['checkpoints/Meta-Llama-3-8B-Instruct']}" in err
+    assert "num_query_groups (8" in err
+
+
+def test_layout_batch_mistake_is_named(capsys):
+    err = fails(capsys, "--config", "configs/sft.yaml", "--trainer.strategy.init_args.global_batch_size", "3")
+    assert "trainer.strategy.init_args.global_batch_size=3" in err
+    assert "trainer.strategy.init_args.micro_batch_size=2" in err
+
+
+def test_missing_model_directory_is_named(capsys):
+    # A shipped 8B config run before its placeholder directory was filled in.
+    err = fails(capsys, "--config", "configs/llama3_8b_sft_lora.yaml",
+                "--model.init_args.model", "checkpoints/does-not-exist")
+    assert "error: model.init_args.model (SFTModule): checkpoints/does-not-exist is not a directory" in err
+
+
+def test_invalid_value_is_named(capsys):
+    err = fails(capsys, "--config", "configs/sft_lora.yaml", "--model.init_args.lora.rank", "0")
+    assert "model.init_args.lora" in err and "rank" in err
+
+
+def test_print_config(capsys, tmp_path, monkeypatch):
+    with pytest.raises(SystemExit) as exit_info:
+        MegatronCLI(args=["fit", "--config", "configs/quickstart.yaml", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out)
+    strategy = printed["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_mcore.MegatronStrategy"
+    assert strategy["init_args"]["tensor_model_parallel_size"] == 2
+    assert "pipeline_model_parallel_size" in strategy["init_args"]  # defaults are shown too
+    model = printed["model"]["init_args"]["model"]
+    assert model["num_layers"] == 2 and model["num_query_groups"] == 2 and "rotary_base" in model
+    assert printed["data"]["init_args"]["seq_length"] == 128
+    # The printed config is itself a complete config: `fit --config printed.yaml` gets to fit.
+    (tmp_path / "printed.yaml").write_text(out)
+    calls = []
+    monkeypatch.setattr(L.Trainer, "fit", lambda self, *a, **kw: calls.append((self, kw)))
+    cli = MegatronCLI(args=["fit", "--config", str(tmp_path / "printed.yaml"),
+                            "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
+    assert len(calls) == 1 and calls[0][0] is cli.trainer and calls[0][1]["model"] is cli.model
+    assert cli.trainer.strategy.parallel.tensor_model_parallel_size == 2
