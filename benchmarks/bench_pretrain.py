@@ -239,10 +239,13 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     shape = dict(SHAPES[args.shape])
     if args.data != "random":
+        from pathlib import Path
+
         from real_text import TokenWindows
 
-        data = TokenWindows(args.data, args.seq)
-        shape["vocab_size"] = data.vocab_size
+        data = TokenWindows(Path(args.data, "tokens.npy"), args.seq)
+        meta = json.loads(Path(args.data, "meta.json").read_text())
+        shape["vocab_size"] = meta.get("vocab_trained", meta["vocab_size"])
     cfg = GPTConfig(**shape, seq_length=args.seq, transformer_impl="transformer_engine", fp8=args.fp8,
                     recompute_granularity=args.recompute)
     parallel = ParallelConfig(
