@@ -37,6 +37,15 @@ CASES = {
         (1, "fp8-current", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 200 --warmup 20 "
                            "--lr 3e-4 --lr-warmup 20 --losses --data {text} --fp8 current"),
     ],
+    "1b-gbs32": [  # the 1b case with 8 microbatches per step: the optimizer step amortised
+        (1, "raw", "--impl raw --mbs 4 --gbs 32 --steps 20 --warmup 6"),
+        (1, "lightning", "--impl lightning --mbs 4 --gbs 32 --steps 20 --warmup 6"),
+    ],
+    "fp8-speed": [  # 3B shape, micro batch 2, random tokens: speed only
+        (1, "bf16", "--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 20 --warmup 8"),
+        (1, "fp8-delayed", "--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 20 --warmup 8 --fp8 delayed"),
+        (1, "fp8-current", "--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 20 --warmup 8 --fp8 current"),
+    ],
     "8b-tp2": [  # Llama-3-8B shape, TP=2 + SP, 2 GPUs
         (2, "raw", "--impl raw --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
         (2, "lightning", "--impl lightning --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
@@ -101,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["all"], choices=["all", *CASES])
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/bench_results.jsonl")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these labels of the cases")
     ap.add_argument("--text", default="/tmp/stdlib_tokens", help="real_text.py output (built if missing)")
     args = ap.parse_args()
     cases = list(CASES) if "all" in args.cases else args.cases
@@ -112,6 +122,8 @@ def main() -> None:
     for case in cases:
         results = {}
         for need, label, bench_args in CASES[case]:
+            if args.only and label not in args.only:
+                continue
             if need > gpus:
                 print(f"{case}/{label}: skipped, needs {need} GPUs (have {gpus})", flush=True)
                 continue
