@@ -46,6 +46,11 @@ CASES = {
         (1, "fp8-delayed", "--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 20 --warmup 8 --fp8 delayed"),
         (1, "fp8-current", "--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 20 --warmup 8 --fp8 current"),
     ],
+    "fp8-profile": [  # where the time goes: torch.profiler tables of steps 10-12 (in the .log)
+        (1, "bf16", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 14 --warmup 10 --profile"),
+        (1, "fp8-delayed", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 14 --warmup 10 "
+                           "--profile --fp8 delayed"),
+    ],
     "8b-tp2": [  # Llama-3-8B shape, TP=2 + SP, 2 GPUs
         (2, "raw", "--impl raw --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
         (2, "lightning", "--impl lightning --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
