@@ -109,10 +109,10 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
+    from lightning_mcore.strategy.parallel import context_parallel_slice
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
@@ -155,7 +155,8 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
         micro = [{k: v[i:i + args.mbs] for k, v in batch.items()}
                  for i in range(0, batch["tokens"].shape[0], args.mbs)]
         if cp > 1:
-            micro = [get_batch_on_this_cp_rank(mb) for mb in micro]
+            cp_rank = parallel_state.get_context_parallel_rank()
+            micro = [context_parallel_slice(mb, cp, cp_rank) for mb in micro]
         for c in chunks:
             c.zero_grad_buffer()
         opt.zero_grad()

@@ -113,3 +113,23 @@ def test_trainer_refuses_model_shape_before_process_group(tmp_path):
         trainer.fit(module, [])
     assert not dist.is_initialized()
     assert module.chunks is None  # no model was built
+
+
+def test_context_parallel_slice_keeps_balanced_chunks():
+    """cp=2: chunks [c0 c1 c2 c3] of every row go to rank 0 as [c0 c3], to rank 1 as [c1 c2];
+    together the ranks hold each token exactly once."""
+    import torch
+
+    from lightning_mcore.strategy.parallel import context_parallel_slice
+
+    tokens = torch.arange(2 * 16).reshape(2, 16)
+    batch = {"tokens": tokens, "loss_mask": tokens.float()}
+    r0 = context_parallel_slice(batch, 2, 0)["tokens"]
+    r1 = context_parallel_slice(batch, 2, 1)["tokens"]
+    assert r0[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert r1[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert r0[1].tolist() == [16, 17, 18, 19, 28, 29, 30, 31]
+    assert sorted(torch.cat([r0, r1], 1).flatten().tolist()) == list(range(32))
+    assert torch.equal(context_parallel_slice(batch, 2, 1)["loss_mask"], r1.float())
+    with pytest.raises(LayoutError, match="not divisible by 2 x context_parallel_size"):
+        context_parallel_slice({"tokens": torch.zeros(1, 6)}, 2, 0)

@@ -310,9 +310,12 @@ class MegatronStrategy(DDPStrategy):
                 "context_parallel_size > 1 with packed (THD) sequences is not supported yet; "
                 "use context_parallel_size=1 for SFT/DPO, or pretraining (PretrainModule) with CP."
             )
-        from megatron.core.utils import get_batch_on_this_cp_rank
+        from megatron.core import parallel_state
 
-        return [get_batch_on_this_cp_rank(dict(mb)) for mb in micro]
+        from lightning_mcore.strategy.parallel import context_parallel_slice
+
+        rank = parallel_state.get_context_parallel_rank()
+        return [context_parallel_slice(mb, self.parallel.context_parallel_size, rank) for mb in micro]
 
     def _schedule_shape(self, seq: int, packed: bool) -> tuple[int, int]:
         """(seq_length, micro_batch_size) for mcore's schedule: a packed microbatch travels as

@@ -197,3 +197,25 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
             f"sequence_parallel splits seq_length ({model.seq_length}) over "
             f"tensor_model_parallel_size ({tp}); make it divisible."
         )
+
+
+def context_parallel_slice(batch: dict, cp_size: int, cp_rank: int) -> dict:
+    """This cp rank's part of every [rows, seq] tensor: the sequence is cut into 2*cp chunks
+    and rank r keeps chunks r and 2cp-1-r, so causal attention work is balanced (the layout
+    mcore's and Transformer Engine's context-parallel attention expect).
+
+        cp=2, chunks [c0 c1 c2 c3]:   rank 0 -> [c0 c3],  rank 1 -> [c1 c2]
+    """
+    if cp_size == 1:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        rows, seq = value.shape[:2]
+        if seq % (2 * cp_size):
+            raise LayoutError(f"{key}: sequence length {seq} is not divisible by 2 x context_parallel_size "
+                              f"({2 * cp_size}).")
+        chunks = value.reshape(rows, 2 * cp_size, seq // (2 * cp_size), *value.shape[2:])
+        mine = chunks[:, [cp_rank, 2 * cp_size - 1 - cp_rank]]
+        out[key] = mine.reshape(rows, -1, *value.shape[2:])
+    return out
+
