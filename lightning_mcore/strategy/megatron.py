@@ -226,6 +226,11 @@ class MegatronStrategy(DDPStrategy):
         from lightning_mcore.model.build import build_chunks
         from lightning_mcore.model.init import init_layout_invariant
 
+        if self.on_cpu and model_config.recompute_granularity:
+            raise NotImplementedError(
+                f"recompute_granularity={model_config.recompute_granularity!r} needs CUDA (mcore's "
+                f"activation checkpointing saves and restores the CUDA RNG state); on CPU set it to None."
+            )
         self._tf_config = self.transformer_config(model_config)
         use_te = model_config.uses_te("cpu" if self.on_cpu else "gpu")
         if checkpoint is not None:
