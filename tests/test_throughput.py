@@ -7,7 +7,7 @@ import time
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -73,7 +73,7 @@ def test_logged_throughput_and_mfu_follow_step_times_from_the_last_stage(tmp_pat
         accelerator="cpu", devices=2, max_steps=steps, default_root_dir=str(tmp_path),
         strategy=MegatronStrategy(pipeline_model_parallel_size=2, global_batch_size=gbs,
                                   micro_batch_size=2, start_method="fork"),
-        logger=CSVLogger(tmp_path), log_every_n_steps=1, enable_checkpointing=False,
+        logger=[CSVLogger(tmp_path), TensorBoardLogger(tmp_path / "tb")], log_every_n_steps=1, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
         callbacks=[StepEnds(), MegatronThroughput(window_size=window, peak_tflops=peak)],
     )
@@ -98,3 +98,11 @@ def test_logged_throughput_and_mfu_follow_step_times_from_the_last_stage(tmp_pat
     logged = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     reference = fit(tmp_path, devices=1, steps=steps, gbs=gbs, config=cfg, name="single")
     assert logged == pytest.approx(reference, abs=1e-5)
+
+    # TensorBoard gets the same values as the CSV logger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent)).Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)
+    assert [e.value for e in events.Scalars("perf/mfu")] == pytest.approx(
+        [float(r["perf/mfu"]) for r in perf], rel=1e-6)
