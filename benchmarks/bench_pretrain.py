@@ -162,8 +162,8 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
         opt.zero_grad()
         outputs = fb(forward_step_func=forward_step,
                      data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
-                     model=chunks, num_microbatches=len(micro), seq_length=args.seq // cp,
-                     micro_batch_size=args.mbs)
+                     model=chunks, num_microbatches=len(micro),
+                     seq_length=args.seq, micro_batch_size=args.mbs)  # mcore divides seq by cp itself
         opt.step()
         timer.stop()
         if args.losses and parallel_state.is_pipeline_last_stage(ignore_virtual=True):

@@ -461,7 +461,8 @@ class MegatronStrategy(DDPStrategy):
         micro = self._context_parallel_slices(self.split_microbatches(batch), packed)
         chunks = list(self.lightning_module.chunks)
         iters = [iter(micro) for _ in chunks]
-        schedule_shape = self._schedule_shape(next(iter(micro[0].values())).shape[1], packed)
+        # the whole sequence length: mcore divides it by the cp size for pipeline tensors itself
+        schedule_shape = self._schedule_shape(next(iter(batch.values())).shape[1], packed)
 
         if not forward_only:
             for optimizer in self.optimizers:
