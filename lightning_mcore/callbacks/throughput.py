@@ -44,7 +44,6 @@ class MegatronThroughput(L.Callback):
             raise ValueError(f"window_size must be >= 2 (a rate needs two step ends), got {window_size}.")
         self.window_size, self.peak_tflops = window_size, peak_tflops
         self._throughput: Optional[Throughput] = None
-        self._flops_per_token: dict[int, float] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
         strategy = trainer.strategy
@@ -55,7 +54,7 @@ class MegatronThroughput(L.Callback):
             available_flops=peak * trainer.world_size if peak else None, world_size=1,
             window_size=self.window_size,
         )
-        self._steps, self._tokens, self._samples = 0, 0, 0
+        self._steps, self._tokens = 0, 0
         self._sync(strategy)
         self._started = time.perf_counter()
 
@@ -64,23 +63,18 @@ class MegatronThroughput(L.Callback):
         if strategy.root_device.type == "cuda":
             torch.cuda.synchronize(strategy.root_device)
 
-    def _flops(self, pl_module, seq: int) -> float:
-        if seq not in self._flops_per_token:
-            frozen = getattr(pl_module, "lora", None) is not None
-            self._flops_per_token[seq] = training_flops_per_token(pl_module.model_config, seq, frozen)
-        return self._flops_per_token[seq]
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
         self._sync(strategy)
         seq = next(iter(batch.values())).shape[1]
         rows = strategy.batch.global_batch_size
         self._steps += 1
-        self._samples += rows
         self._tokens += rows * seq
+        frozen_base = getattr(pl_module, "lora", None) is not None
+        flops = rows * seq * training_flops_per_token(pl_module.model_config, seq, frozen_base)
         self._throughput.update(
-            time=time.perf_counter() - self._started, batches=self._steps, samples=self._samples,
-            lengths=self._tokens, flops=rows * seq * self._flops(pl_module, seq),
+            time=time.perf_counter() - self._started, batches=self._steps,
+            samples=self._steps * rows, lengths=self._tokens, flops=flops,
         )
         metrics = self._throughput.compute()
         if "device/items_per_sec" not in metrics:

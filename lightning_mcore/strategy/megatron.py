@@ -302,12 +302,8 @@ class MegatronStrategy(DDPStrategy):
             )
 
     def _context_parallel_slices(self, micro: list[dict], packed: bool) -> list[dict]:
-        """With context parallelism each rank keeps 2 of the 2*cp sequence chunks of every
-        microbatch (chunks i and 2cp-1-i: causal work balanced), as mcore's attention expects.
-
-            cp=2, seq in 4 chunks [c0 c1 c2 c3]:   cp rank 0 -> [c0 c3], cp rank 1 -> [c1 c2]
-
-        Token losses and counts from both halves meet in the data-parallel x cp reduction."""
+        """This cp rank's balanced share of every microbatch (parallel.context_parallel_slice).
+        Token losses and counts from all shares meet in the data-parallel x cp reduction."""
         if self.parallel.context_parallel_size == 1:
             return micro
         if packed:
