@@ -15,8 +15,11 @@ line (rank 0): tokens/s/GPU, MFU, peak memory, mean step time (and per-step loss
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -73,33 +76,67 @@ class RandomTokens(Dataset):
 
 
 class StepTimer:
-    """Wall time of each optimizer step, CUDA-synchronised; optionally profiles steps 10-12."""
+    """Wall time of each optimizer step, CUDA-synchronised, plus the host side of the same
+    window: the main thread's CPU time and Python's garbage-collector pauses. Optionally
+    profiles steps 10-12 with torch.profiler (`profile`) or cProfile (`pyprofile`)."""
 
-    def __init__(self, profile: bool = False) -> None:
+    def __init__(self, profile: bool = False, pyprofile: bool = False) -> None:
         self.times: list[float] = []
+        self.host: list[float] = []
+        self.gc: list[float] = []
         self.losses: list[float] = []
-        self._t = 0.0
-        self.profile = profile
+        self._t = self._h = 0.0
+        self.profile, self.pyprofile = profile, pyprofile
         self._prof = None
+        self._gc_t0, self._gc_total = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self._gc_total += time.perf_counter() - self._gc_t0
 
     def start(self) -> None:
         torch.cuda.synchronize()
-        if self.profile and len(self.times) == 10:
-            self._prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
-            self._prof.__enter__()
+        if len(self.times) == 10 and (self.profile or self.pyprofile):
+            if self.profile:
+                self._prof = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                self._prof.__enter__()
+            else:
+                self._prof = cProfile.Profile()
+                self._prof.enable()
+        self._gc_start = self._gc_total
+        self._h = time.thread_time()
         self._t = time.perf_counter()
 
     def stop(self) -> None:
         torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t)
+        self.host.append(time.thread_time() - self._h)
+        self.gc.append(self._gc_total - self._gc_start)
         if self._prof is not None and len(self.times) == 13:
-            self._prof.__exit__(None, None, None)
-            if int(os.environ.get("RANK", 0)) == 0:
-                ka = self._prof.key_averages()
-                print(ka.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
-                print(ka.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+            rank0 = int(os.environ.get("RANK", 0)) == 0
+            if isinstance(self._prof, cProfile.Profile):
+                self._prof.disable()
+                if rank0:
+                    stats = pstats.Stats(self._prof)
+                    stats.sort_stats("tottime").print_stats(30)
+                    stats.sort_stats("cumulative").print_stats(45)
+            else:
+                self._prof.__exit__(None, None, None)
+                if rank0:
+                    ka = self._prof.key_averages()
+                    print(ka.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+                    print(ka.table(sort_by="self_device_time_total", row_limit=30), flush=True)
             self._prof = None
+
+    def host_summary(self, warmup: int) -> dict:
+        """This rank's mean main-thread CPU ms and GC ms per timed step."""
+        n = max(1, len(self.times) - warmup)
+        return {"host_ms": round(1e3 * sum(self.host[warmup:]) / n, 1),
+                "gc_ms": round(1e3 * sum(self.gc[warmup:]) / n, 2)}
 
 
 def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer:
@@ -112,6 +149,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
 
     from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
+    from lightning_mcore.model.init import init_layout_invariant
     from lightning_mcore.strategy.parallel import context_parallel_slice
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -119,7 +157,8 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     parallel_state.initialize_model_parallel(**parallel.sizes())
     model_parallel_cuda_manual_seed(1234)
     tf = to_transformer_config(cfg, parallel, torch.bfloat16, on_cpu=False, use_te=True)
-    chunks = [c.cuda() for c in build_chunks(cfg, tf, use_te=True)]
+    chunks = [c.cuda() for c in build_chunks(cfg, tf, use_te=True, fuse_wgrad=not args.no_wgrad_fusion)]
+    init_layout_invariant(chunks, cfg, seed=1234)  # the same initial weights as (b): same routing, same losses
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True, check_for_nan_in_grad=False)
     chunks = [DistributedDataParallel(config=tf, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
@@ -146,7 +185,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
 
         return out, loss_fn
 
-    timer = StepTimer(args.profile)
+    timer = StepTimer(args.profile, args.pyprofile)
     for step, batch in enumerate(loader):
         if step == args.steps:
             break
@@ -180,7 +219,7 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
 
     from lightning_mcore import MegatronStrategy, MegatronThroughput, OptimizerSettings, PretrainModule
 
-    timer = StepTimer(args.profile)
+    timer = StepTimer(args.profile, args.pyprofile)
     logged: dict = {}
 
     class Timing(L.Callback):
@@ -235,7 +274,12 @@ def main() -> None:
     ap.add_argument("--losses", action="store_true", help="report every step's loss")
     ap.add_argument("--recompute", choices=["full", "selective"], default=None)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of steps 10-12")
+    ap.add_argument("--pyprofile", action="store_true", help="print cProfile tables of steps 10-12 (rank 0)")
+    ap.add_argument("--no-wgrad-fusion", action="store_true",
+                    help="raw only: TE layers return bf16 weight grads that DDP adds to main_grad")
     args = ap.parse_args()
+    if args.no_wgrad_fusion and args.impl != "raw":
+        ap.error("--no-wgrad-fusion applies to --impl raw only (lightning-mcore always fuses with TE)")
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     shape = dict(SHAPES[args.shape])
@@ -266,6 +310,12 @@ def main() -> None:
     else:
         timer = (run_raw if args.impl == "raw" else run_lightning)(cfg, parallel, args, loader)
 
+    host = timer.host_summary(args.warmup)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, host)
+    else:
+        per_rank = [host]
     if int(os.environ.get("RANK", 0)) == 0:
         timed = timer.times[args.warmup:]
         step = sum(timed) / len(timed)
@@ -278,6 +328,10 @@ def main() -> None:
             "timed_steps": len(timed), "step_s": round(step, 4),
             "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(mfu, 4),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+            "step_s_spread": [round(min(timed), 4), round(max(timed), 4)],
+            "ranks": per_rank,  # main-thread CPU ms and GC-pause ms per timed step, per rank
+            "wgrad_fusion": None if args.impl.startswith("hf") else not args.no_wgrad_fusion,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         }
         if getattr(timer, "callback", None):

@@ -26,34 +26,33 @@ CASES = {
     "1b": [  # 1.2B Llama shape, seq 4096, 1 GPU
         (1, "raw", "--impl raw --mbs 4"),
         (1, "lightning", "--impl lightning --mbs 4"),
+        (1, "raw-nofuse", "--impl raw --mbs 4 --no-wgrad-fusion"),
         (1, "hf-eager", "--impl hf-eager --mbs 1"),
         (1, "hf-compile", "--impl hf-compile --mbs 1"),
     ],
-    "fp8": [  # 3B shape: bf16 vs FP8 (delayed, current); speed and a 200-step loss curve on real text
-        (1, "bf16", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 200 --warmup 20 "
-                    "--lr 3e-4 --lr-warmup 20 --losses --data {text}"),
-        (1, "fp8-delayed", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 200 --warmup 20 "
-                           "--lr 3e-4 --lr-warmup 20 --losses --data {text} --fp8 delayed"),
-        (1, "fp8-current", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 200 --warmup 20 "
-                           "--lr 3e-4 --lr-warmup 20 --losses --data {text} --fp8 current"),
-    ],
     "1b-gbs32": [  # the 1b case with 8 microbatches per step: the optimizer step amortised
-        (1, "raw", "--impl raw --mbs 4 --gbs 32 --steps 20 --warmup 6"),
-        (1, "lightning", "--impl lightning --mbs 4 --gbs 32 --steps 20 --warmup 6"),
+        (1, "raw", "--impl raw --mbs 4 --gbs 32 --steps 16 --warmup 6"),
+        (1, "lightning", "--impl lightning --mbs 4 --gbs 32 --steps 16 --warmup 6"),
     ],
-    "fp8-speed": [  # 3B shape, micro batch 2, random tokens: speed only
-        (1, "bf16", "--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 20 --warmup 8"),
-        (1, "fp8-delayed", "--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 20 --warmup 8 --fp8 delayed"),
-        (1, "fp8-current", "--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 20 --warmup 8 --fp8 current"),
+    # 3B shape: bf16 vs FP8 (delayed, current), micro batch 2, 200 steps on real text (vocab 32768):
+    # speed and the loss curve from the same runs
+    "fp8": [
+        (1, label, "--impl lightning --shape llama-3b --mbs 2 --gbs 4 --steps 200 --warmup 20 "
+                   f"--lr 3e-4 --lr-warmup 20 --losses --data {{text}}{flag}")
+        for label, flag in (("bf16", ""), ("fp8-delayed", " --fp8 delayed"), ("fp8-current", " --fp8 current"))
     ],
     "fp8-profile": [  # where the time goes: torch.profiler tables of steps 10-12 (in the .log)
-        (1, "bf16", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 14 --warmup 10 --profile"),
-        (1, "fp8-delayed", "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 14 --warmup 10 "
-                           "--profile --fp8 delayed"),
+        (1, label, f"--impl lightning --shape llama-3b --mbs 2 --gbs 4 --steps 13 --warmup 10 --profile "
+                   f"--data {{text}}{flag}")
+        for label, flag in (("bf16", ""), ("fp8-delayed", " --fp8 delayed"), ("fp8-current", " --fp8 current"))
     ],
     "8b-tp2": [  # Llama-3-8B shape, TP=2 + SP, 2 GPUs
-        (2, "raw", "--impl raw --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
-        (2, "lightning", "--impl lightning --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
+        (2, "raw", "--impl raw --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 14 --warmup 6"),
+        (2, "lightning", "--impl lightning --shape llama-8b --tp 2 --mbs 1 --gbs 8 --steps 14 --warmup 6"),
+    ],
+    "tp2-pyprofile": [  # host-side Python time per function (cProfile, rank 0, steps 10-12), 1.2B TP=2+SP
+        (2, "raw", "--impl raw --tp 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 --pyprofile"),
+        (2, "lightning", "--impl lightning --tp 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 --pyprofile"),
     ],
     "dp4": [  # data-parallel scaling: 1 GPU vs DP=4 at the same per-GPU batch
         (1, "lightning-1gpu", "--impl lightning --mbs 4 --gbs 8"),
@@ -65,19 +64,20 @@ CASES = {
         (2, "lightning", "--impl lightning --shape llama-3b --pp 2 --vpp 2 --mbs 1 --gbs 16 --steps 20 --warmup 8"),
     ],
     "cp2": [  # 1.2B shape, CP=2 at seq 16k, 2 GPUs
-        (2, "raw", "--impl raw --cp 2 --seq 16384 --mbs 1 --gbs 4 --steps 20 --warmup 8"),
-        (2, "lightning", "--impl lightning --cp 2 --seq 16384 --mbs 1 --gbs 4 --steps 20 --warmup 8"),
+        (2, "raw", "--impl raw --cp 2 --seq 16384 --mbs 1 --gbs 4 --steps 16 --warmup 6 --losses"),
+        (2, "lightning", "--impl lightning --cp 2 --seq 16384 --mbs 1 --gbs 4 --steps 16 --warmup 6 --losses"),
     ],
     "moe": [  # small Qwen3-MoE, EP=2, grouped GEMM, alltoall dispatcher, 2 GPUs
-        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
-        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 20 --warmup 8"),
+        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
+        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
     ],
 }
 
 
-def run(gpus: int, args: str, log) -> dict | None:
+def run(gpus: int, args: str, log, alloc_conf: str) -> dict | None:
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={gpus}", str(HERE / "bench_pretrain.py"), *args.split()]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}",
+           "PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     log.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
     log.flush()
@@ -90,25 +90,36 @@ def run(gpus: int, args: str, log) -> dict | None:
 
 def summarize(case: str, results: dict) -> None:
     print(f"\n== {case}")
-    print(f"{'run':16} {'tok/s/GPU':>10} {'MFU':>7} {'callback MFU':>13} {'mem GiB':>8} {'final loss':>10}")
+    print(f"{'run':16} {'tok/s/GPU':>10} {'MFU':>7} {'callback MFU':>13} {'mem GiB':>8} {'retries':>8} "
+          f"{'host ms/step per rank':>22} {'gc ms':>6} {'final loss':>10}")
     for label, r in results.items():
         cb = r.get("callback", {}).get("perf/mfu")
         loss = r["losses"][-1] if r.get("losses") else None
+        ranks = r.get("ranks", [])
+        host = "/".join(f"{x['host_ms']:.0f}" for x in ranks)
+        gc_ms = max((x["gc_ms"] for x in ranks), default=0)
         print(f"{label:16} {r['tokens_per_s_per_gpu']:>10} {100 * r['mfu']:>6.1f}% "
               f"{(f'{cb:.1f}%' if cb is not None else '-'):>13} {r['peak_mem_gb']:>8} "
+              f"{r.get('alloc_retries', '-'):>8} {host:>22} {gc_ms:>6} "
               f"{(f'{loss:.4f}' if loss is not None else '-'):>10}")
     tok = {k: r["tokens_per_s_per_gpu"] for k, r in results.items()}
-    pairs = [("lightning", "raw"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
+    pairs = [("lightning", "raw"), ("raw", "raw-nofuse"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
              ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("lightning-dp4", "lightning-1gpu"),
              ("raw-dp4", "lightning-1gpu")]
-    for a, b in pairs:
-        if a in tok and b in tok:
-            print(f"  {a} / {b}: {tok[a] / tok[b]:.3f}x")
+    repeats = sorted({k.partition("#")[2] for k in tok})
+    for suffix in repeats:
+        for a, b in pairs:
+            a_, b_ = (f"{a}#{suffix}", f"{b}#{suffix}") if suffix else (a, b)
+            if a_ in tok and b_ in tok:
+                print(f"  {a_} / {b_}: {tok[a_] / tok[b_]:.3f}x")
     for a in ("fp8-delayed", "fp8-current"):
         if a in results and "bf16" in results and results[a].get("losses"):
             tail = lambda r: sum(r["losses"][-20:]) / 20  # noqa: E731  mean of the last 20 steps
             rel = tail(results[a]) / tail(results["bf16"]) - 1
             print(f"  {a} loss (mean of last 20 steps) vs bf16: {100 * rel:+.2f}%")
+    if "raw" in results and "lightning" in results and results["raw"].get("losses") and results["lightning"].get("losses"):
+        diff = max(abs(x - y) for x, y in zip(results["raw"]["losses"], results["lightning"]["losses"]))
+        print(f"  raw vs lightning losses, largest difference over the steps: {diff:.2e}")
 
 
 def main() -> None:
@@ -116,26 +127,32 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["all"], choices=["all", *CASES])
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/bench_results.jsonl")
     ap.add_argument("--only", nargs="*", default=None, help="run only these labels of the cases")
-    ap.add_argument("--text", default="/tmp/stdlib_tokens", help="real_text.py output (built if missing)")
+    ap.add_argument("--text", default=".bench_data/text",
+                    help="real_text.py output (built if missing: stdlib + torch sources, 2000 files)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each case's list this many times, interleaved")
+    ap.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF for every run")
     args = ap.parse_args()
     cases = list(CASES) if "all" in args.cases else args.cases
     gpus = torch.cuda.device_count()
-    if "fp8" in cases and not Path(args.text, "tokens.npy").exists():
-        subprocess.run([sys.executable, str(HERE / "real_text.py"), "--out", args.text], check=True)
+    if {"fp8", "fp8-profile"} & set(cases) and not Path(args.text, "tokens.npy").exists():
+        subprocess.run([sys.executable, str(HERE / "real_text.py"), "--out", args.text, "--packages", "torch",
+                        "--max-files", "2000"], check=True)
     out = open(args.out, "a")
     log = open(Path(args.out).with_suffix(".log"), "a")
     for case in cases:
         results = {}
-        for need, label, bench_args in CASES[case]:
-            if args.only and label not in args.only:
+        for i, (need, label, bench_args) in enumerate(CASES[case] * args.repeat):
+            if i >= len(CASES[case]):
+                label = f"{label}#{i // len(CASES[case]) + 1}"
+            if args.only and label.split("#")[0] not in args.only:
                 continue
             if need > gpus:
                 print(f"{case}/{label}: skipped, needs {need} GPUs (have {gpus})", flush=True)
                 continue
             print(f"{case}/{label} ...", flush=True)
-            r = run(need, bench_args.format(text=args.text), log)
+            r = run(need, bench_args.format(text=args.text), log, args.alloc_conf)
             if r is not None:
-                r.update(case=case, label=label)
+                r.update(case=case, label=label, alloc_conf=args.alloc_conf)
                 out.write(json.dumps(r) + "\n")
                 out.flush()
                 results[label] = r

@@ -1,15 +1,15 @@
-"""Real text without downloads: the Python standard library's own sources, for loss curves (FP8 vs bf16).
+"""Real text without downloads: Python sources on this machine, for loss curves (FP8 vs bf16).
 
-build() collects every *.py file under sysconfig's stdlib directory (site-/dist-packages excluded),
-trains a byte-level BPE tokenizer on them (HF `tokenizers`, Rust threads on all cores), encodes every
+build() collects every *.py file under sysconfig's stdlib directory (site-/dist-packages excluded)
+and under the installed packages named in `packages` (e.g. torch: 46 MB of sources), trains a byte-level BPE tokenizer on them (HF `tokenizers`, Rust threads on all cores), encodes every
 file with <|endoftext|> after it, and writes into out_dir:
-    tokens.npy      one flat uint32 token stream (np.load(..., mmap_mode="r"))
+    tokens.npy      one flat token stream (uint16 when the vocab fits, else uint32) (np.load(..., mmap_mode="r"))
     tokenizer.json  the trained tokenizer (tokenizers.Tokenizer.from_file)
     meta.json       counts and settings; a later build() with the same settings reuses the files
 File order is sorted, then shuffled with a fixed seed, so the held-out tail (TokenWindows(split="eval"))
 is a random sample of whole files that training never sees.
 
-    python benchmarks/real_text.py --out /tmp/stdlib_tokens --vocab 32768 [--seq 4096] [--max-files N]
+    python benchmarks/real_text.py --out /tmp/stdlib_tokens --vocab 32768 [--packages torch] [--max-files N]
 
 TokenWindows yields bench_pretrain.RandomTokens' dict (tokens, labels, loss_mask, position_ids; [seq]
 each) from non-overlapping windows of seq + 1 tokens, in a fixed shuffled order.
@@ -33,16 +33,24 @@ from torch.utils.data import Dataset
 EOS = "<|endoftext|>"
 
 
-def stdlib_files(max_files: int | None = None, seed: int = 0) -> list[Path]:
+def source_files(packages: tuple[str, ...] = (), max_files: int | None = None, seed: int = 0) -> list[Path]:
+    """The stdlib's *.py files plus those of the named installed packages, in a seeded order."""
+    import importlib.util
+
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f"--packages: {name!r} is not an installed package on this machine")
+        files += sorted(Path(spec.submodule_search_locations[0]).rglob("*.py"))
     random.Random(seed).shuffle(files)
     return files[:max_files]
 
 
 def build(out_dir, vocab_size: int = 32768, seq: int = 4096, max_files: int | None = None,
-          force: bool = False) -> str:
+          force: bool = False, packages: tuple[str, ...] = ()) -> str:
     """Writes tokens.npy, tokenizer.json and meta.json into out_dir (reused when already built with
     the same settings unless force); prints the counts; returns the path of tokens.npy."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -50,7 +58,7 @@ def build(out_dir, vocab_size: int = 32768, seq: int = 4096, max_files: int | No
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"stdlib": sysconfig.get_paths()["stdlib"], "python": sys.version.split()[0],
-                "vocab_size": vocab_size, "max_files": max_files}
+                "vocab_size": vocab_size, "max_files": max_files, "packages": list(packages)}
     meta_path, tokens_path = out / "meta.json", out / "tokens.npy"
     if not force and meta_path.exists() and tokens_path.exists():
         meta = json.loads(meta_path.read_text())
@@ -60,7 +68,7 @@ def build(out_dir, vocab_size: int = 32768, seq: int = 4096, max_files: int | No
 
     t0 = time.perf_counter()
     texts, skipped = [], 0
-    for path in stdlib_files(max_files):
+    for path in source_files(packages, max_files):
         try:
             texts.append(path.read_bytes().decode("utf-8"))
         except (OSError, UnicodeDecodeError):
@@ -77,17 +85,18 @@ def build(out_dir, vocab_size: int = 32768, seq: int = 4096, max_files: int | No
     t_train = time.perf_counter()
 
     eos = tok.token_to_id(EOS)
+    dtype = np.uint16 if tok.get_vocab_size() <= 2**16 else np.uint32
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (tokenizers >= 0.21): no offsets
     chunks = []
     for i in range(0, len(texts), 256):  # bounded memory: Encoding objects are large
         for enc in encode(texts[i:i + 256], add_special_tokens=False):
-            chunks.append(np.asarray(enc.ids + [eos], dtype=np.uint32))
+            chunks.append(np.asarray(enc.ids + [eos], dtype=dtype))
     tokens = np.concatenate(chunks)
     np.save(tokens_path, tokens)
     t_end = time.perf_counter()
 
     meta = {**settings, "files": len(texts), "skipped": skipped, "bytes": sum(len(t.encode()) for t in texts),
-            "tokens": int(tokens.size), "eos_id": eos, "vocab_trained": tok.get_vocab_size(), "dtype": "uint32",
+            "tokens": int(tokens.size), "eos_id": eos, "vocab_trained": tok.get_vocab_size(), "dtype": np.dtype(dtype).name,
             "seconds": {"read": round(t_read - t0, 1), "train_tokenizer": round(t_train - t_read, 1),
                         "encode": round(t_end - t_train, 1), "total": round(t_end - t0, 1)},
             "threads": os.cpu_count()}
@@ -99,7 +108,7 @@ def build(out_dir, vocab_size: int = 32768, seq: int = 4096, max_files: int | No
 def _report(meta: dict, seq: int, reused: bool) -> None:
     windows = meta["tokens"] // (seq + 1)
     held = _eval_windows(windows)
-    print(f"stdlib text ({meta['python']}{', reused' if reused else ''}): {meta['files']} files "
+    print(f"python sources (stdlib {meta['python']} + {meta.get('packages') or 'no packages'}{', reused' if reused else ''}): {meta['files']} files "
           f"({meta['skipped']} skipped), {meta['bytes'] / 1e6:.1f} MB, {meta['tokens'] / 1e6:.2f} M tokens "
           f"({meta['bytes'] / meta['tokens']:.2f} bytes/token, vocab {meta['vocab_trained']}), "
           f"seq {seq}: {windows - held} train + {held} eval windows; seconds {meta['seconds']}", flush=True)
@@ -150,9 +159,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--max-files", type=int, default=None)
+    ap.add_argument("--packages", nargs="*", default=[], help="installed packages whose sources join the stdlib's")
     ap.add_argument("--force", action="store_true", help="rebuild even if out already holds this build")
     args = ap.parse_args()
-    path = build(args.out, args.vocab, args.seq, args.max_files, args.force)
+    path = build(args.out, args.vocab, args.seq, args.max_files, args.force, tuple(args.packages))
     ds = TokenWindows(path, args.seq)
     if len(ds):
         from tokenizers import Tokenizer
