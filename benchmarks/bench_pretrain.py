@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mcore import GPTConfig
 from lightning_mcore.strategy.parallel import ParallelConfig
@@ -172,6 +172,11 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
         chunks)
     fb = get_forward_backward_func()
     cp = parallel.context_parallel_size
+    # each data-parallel rank its own rows, in the order Lightning's DistributedSampler gives them
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    if dp > 1:
+        loader = DataLoader(loader.dataset, batch_size=loader.batch_size, num_workers=2, pin_memory=True,
+                            sampler=DistributedSampler(loader.dataset, dp, dp_rank, shuffle=False))
 
     def forward_step(it, m):
         b = next(it)
