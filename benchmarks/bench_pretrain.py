@@ -268,6 +268,8 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
     ap.add_argument("--fp8", choices=["delayed", "current"], default=None)
+    ap.add_argument("--fp8-amax", default=None, metavar="LEN:ALGO",
+                    help="delayed scaling's amax history instead of model.fp8's 1024:max, e.g. 1:most_recent")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--gbs", type=int, default=8, help="global batch (sequences per step)")
@@ -296,8 +298,14 @@ def main() -> None:
         data = TokenWindows(Path(args.data, "tokens.npy"), args.seq)
         meta = json.loads(Path(args.data, "meta.json").read_text())
         shape["vocab_size"] = meta.get("vocab_trained", meta["vocab_size"])
+    extra = {}
+    if args.fp8_amax:
+        if args.fp8 != "delayed":
+            ap.error("--fp8-amax needs --fp8 delayed")
+        length, algo = args.fp8_amax.split(":")
+        extra = {"fp8_amax_history_len": int(length), "fp8_amax_compute_algo": algo}
     cfg = GPTConfig(**shape, seq_length=args.seq, transformer_impl="transformer_engine", fp8=args.fp8,
-                    recompute_granularity=args.recompute)
+                    recompute_granularity=args.recompute, extra=extra)
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp,
@@ -329,7 +337,7 @@ def main() -> None:
         result = {
             "impl": args.impl, "shape": args.shape, "gpus": world, "tp": args.tp, "pp": args.pp,
             "vpp": args.vpp, "cp": args.cp, "ep": args.ep, "sp": parallel.sequence_parallel,
-            "fp8": args.fp8, "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,
+            "fp8": args.fp8, "fp8_amax": args.fp8_amax, "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,
             "timed_steps": len(timed), "step_s": round(step, 4),
             "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(mfu, 4),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),

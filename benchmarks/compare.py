@@ -40,6 +40,14 @@ CASES = {
     "fp8": [
         (1, label, "--impl lightning --shape llama-3b --mbs 1 --gbs 4 --steps 200 --warmup 20 "
                    f"--lr 3e-4 --lr-warmup 20 --losses --data {{text}}{flag}")
+        for label, flag in (("bf16", ""), ("fp8-delayed", " --fp8 delayed"), ("fp8-current", " --fp8 current"),
+                            # delayed scaling with mcore's default amax history instead of 1024:max
+                            ("fp8-delayed-h1", " --fp8 delayed --fp8-amax 1:most_recent"))
+    ],
+    # FP8 speed where the GPU is the bottleneck: micro batch 2 fits in 80 GB only with full recompute
+    "fp8-speed": [
+        (1, label, f"--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 16 --warmup 6 --recompute full "
+                   f"--data {{text}}{flag}")
         for label, flag in (("bf16", ""), ("fp8-delayed", " --fp8 delayed"), ("fp8-current", " --fp8 current"))
     ],
     "fp8-profile": [  # where the time goes: torch.profiler tables of steps 10-12 (in the .log)
@@ -105,7 +113,7 @@ def summarize(case: str, results: dict) -> None:
               f"{(f'{loss:.4f}' if loss is not None else '-'):>10}")
     tok = {k: r["tokens_per_s_per_gpu"] for k, r in results.items()}
     pairs = [("lightning", "raw"), ("raw", "raw-nofuse"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
-             ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("lightning-dp4", "lightning-1gpu"),
+             ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1", "bf16"), ("lightning-dp4", "lightning-1gpu"),
              ("raw-dp4", "lightning-1gpu")]
     repeats = sorted({k.partition("#")[2] for k in tok})
     for suffix in repeats:
@@ -113,7 +121,7 @@ def summarize(case: str, results: dict) -> None:
             a_, b_ = (f"{a}#{suffix}", f"{b}#{suffix}") if suffix else (a, b)
             if a_ in tok and b_ in tok:
                 print(f"  {a_} / {b_}: {tok[a_] / tok[b_]:.3f}x")
-    for a in ("fp8-delayed", "fp8-current"):
+    for a in ("fp8-delayed", "fp8-current", "fp8-delayed-h1"):
         if a in results and "bf16" in results and results[a].get("losses"):
             tail = lambda r: sum(r["losses"][-20:]) / 20  # noqa: E731  mean of the last 20 steps
             rel = tail(results[a]) / tail(results["bf16"]) - 1
@@ -130,18 +138,21 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="run only these labels of the cases")
     ap.add_argument("--text", default=".bench_data/text",
                     help="real_text.py output (built if missing: stdlib + torch sources, 2000 files)")
+    ap.add_argument("--reference", default=None,
+                    help="a previous --out .jsonl: its runs of the same cases join the tables (e.g. the bf16 curve)")
     ap.add_argument("--repeat", type=int, default=1, help="run each case's list this many times, interleaved")
     ap.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF for every run")
     args = ap.parse_args()
     cases = list(CASES) if "all" in args.cases else args.cases
     gpus = torch.cuda.device_count()
-    if {"fp8", "fp8-profile"} & set(cases) and not Path(args.text, "tokens.npy").exists():
+    if {"fp8", "fp8-profile", "fp8-speed"} & set(cases) and not Path(args.text, "tokens.npy").exists():
         subprocess.run([sys.executable, str(HERE / "real_text.py"), "--out", args.text, "--packages", "torch",
                         "--max-files", "2000"], check=True)
     out = open(args.out, "a")
     log = open(Path(args.out).with_suffix(".log"), "a")
+    reference = [json.loads(line) for line in open(args.reference)] if args.reference else []
     for case in cases:
-        results = {}
+        results = {r["label"]: r for r in reference if r.get("case") == case}
         for i, (need, label, bench_args) in enumerate(CASES[case] * args.repeat):
             if i >= len(CASES[case]):
                 label = f"{label}#{i // len(CASES[case]) + 1}"
