@@ -62,6 +62,7 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional
     embedding rows, by default the vocab padded for this tensor-parallel size; `fuse_wgrad`:
     see fuse_wgrad_accumulation, on by default with TE)."""
     spec = layer_spec(cfg, use_te)
+    fuse_wgrad = use_te if fuse_wgrad is None else fuse_wgrad
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tp = tf_config.tensor_model_parallel_size
     chunks = []
@@ -86,7 +87,7 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional
             vp_stage=stage,
         )
         apply_rope_scaling(model, cfg)
-        if use_te if fuse_wgrad is None else fuse_wgrad:
+        if fuse_wgrad:
             fuse_wgrad_accumulation(model)
         if model.post_process and (padded_vocab or cfg.padded_vocab_size(tp)) > cfg.vocab_size:
             model.output_layer.register_forward_hook(_mask_padded_vocab(cfg.vocab_size))
@@ -98,11 +99,11 @@ def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
     """Let Transformer Engine's linear layers write weight gradients straight into mcore
     DDP's fp32 `main_grad` buffers (the GEMM accumulates; no bf16 gradient, no separate add).
 
-    mcore's `gradient_accumulation_fusion` flag would also ask its own (non-TE) output layer
-    for Apex's fused_weight_gradient_mlp_cuda, which the GPU images lack, and that layer then
-    refuses to build; the TE layers need no Apex. The chunks must be trained wrapped in mcore
-    DDP (which gives every parameter its `main_grad`), as MegatronStrategy does. Returns the
-    number of layers switched."""
+    mcore's `gradient_accumulation_fusion` flag does the same but also switches mcore's own
+    (non-TE) output layer to Apex's fused_weight_gradient_mlp_cuda, and that layer refuses to
+    build without Apex; the TE layers need no Apex. The output layer keeps the unfused path.
+    Chunks set up this way must be trained wrapped in mcore DDP (which gives every parameter
+    its `main_grad`), as MegatronStrategy does. Returns the number of layers switched."""
     switched = 0
     for module in model.modules():
         if hasattr(module, "fuse_wgrad_accumulation") and type(module).__module__.startswith(
