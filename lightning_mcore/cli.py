@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import linecache
 import os
-import re
 import sys
 from typing import Any, NoReturn, Optional
 
@@ -24,14 +23,9 @@ import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_mcore.objectives.base import MegatronModule
-from lightning_mcore.strategy.parallel import LayoutError, ParallelConfig
+from lightning_mcore.strategy.parallel import LayoutError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-# Strategy options a layout message can name (as MegatronStrategy's init args).
-_STRATEGY_OPTIONS = tuple(ParallelConfig.__dataclass_fields__) + ("global_batch_size", "micro_batch_size")
-# Model fields a layout message can name.
-_MODEL_FIELDS = ("num_attention_heads", "num_query_groups", "num_layers", "num_moe_experts",
-                 "seq_length", "transformer_impl")
 
 
 class MegatronCLI(LightningCLI):
@@ -76,35 +70,29 @@ class MegatronCLI(LightningCLI):
         self._parser(self.subcommand).error(message, cause)
 
     def _layout_error(self, error: LayoutError) -> NoReturn:
-        keys = self._layout_keys(str(error))
+        keys = self._layout_keys(error)
         where = f" ({', '.join(keys)})" if keys else ""
         self._error(f"invalid parallel layout{where}: {error}", error)
 
-    def _layout_keys(self, message: str) -> list[str]:
-        """`key=value` for each config key the layout message is about."""
-        def named(word: str) -> bool:
-            return re.search(rf"\b{re.escape(word)}\b", message) is not None
-
+    def _layout_keys(self, error: LayoutError) -> list[str]:
+        """`key=value` for each config key behind the settings the error names."""
         config = self._get(self.config, "trainer") or {}
         init = self._get(getattr(self, "config_init", None) or {}, "trainer") or {}
         strategy = getattr(getattr(self, "trainer", None), "strategy", None) or init.get("strategy")
         keys = []
-        for option in _STRATEGY_OPTIONS:
-            if named(option):
-                value = _strategy_value(strategy, option)
-                keys.append(f"trainer.strategy.init_args.{option}"
-                            + ("" if value is _MISSING else f"={value}"))
-        if any(s in message for s in ("world size", "data-parallel size", "ranks of one pipeline")):
+        for option in error.options:
+            value = _strategy_value(strategy, option)
+            keys.append(f"trainer.strategy.init_args.{option}" + ("" if value is _MISSING else f"={value}"))
+        if error.devices:
             keys.append(f"trainer.devices={config.get('devices')}")
-            if (config.get("num_nodes") or 1) != 1 or "world size" in message:
-                keys.append(f"trainer.num_nodes={config.get('num_nodes')}")
-        if "Transformer Engine" in message:
+            keys.append(f"trainer.num_nodes={config.get('num_nodes')}")
+        if error.accelerator:
             keys.append(f"trainer.accelerator={config.get('accelerator')}")
         model_config = getattr(getattr(self, "model", None), "model_config", None)
         model = self._get(self.config, "model")
         init_args = (model.get("init_args") if model is not None else None) or {}
         source, overrides = init_args.get("model"), init_args.get("model_overrides") or {}
-        for field in filter(named, _MODEL_FIELDS):
+        for field in error.fields:
             value = getattr(model_config, field, None)
             if field in overrides:
                 keys.append(f"model.init_args.model_overrides.{field}={value}")

@@ -133,3 +133,41 @@ def test_context_parallel_slice_keeps_balanced_chunks():
     assert torch.equal(context_parallel_slice(batch, 2, 1)["loss_mask"], r1.float())
     with pytest.raises(LayoutError, match="not divisible by 2 x context_parallel_size"):
         context_parallel_slice({"tokens": torch.zeros(1, 6)}, 2, 0)
+
+
+BAD_LAYOUTS = [  # (world, batch, model overrides, accelerator, use_te, parallel sizes)
+    (6, BatchConfig(8, 1), {}, "cpu", False, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    (4, BatchConfig(6, 2), {}, "cpu", False, dict(tensor_model_parallel_size=2)),
+    (4, BatchConfig(8, 1), {}, "cpu", False, dict(tensor_model_parallel_size=4)),
+    (2, BatchConfig(8, 1), dict(num_layers=3), "cpu", False, dict(pipeline_model_parallel_size=2)),
+    (2, BatchConfig(8, 1), {}, "cpu", False, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4)),
+    (4, BatchConfig(8, 1), {}, "cpu", False, dict(sequence_parallel=True)),
+    (4, BatchConfig(8, 1), {}, "cpu", False, dict(expert_model_parallel_size=2)),
+    (4, BatchConfig(8, 1), {}, "cpu", True, {}),
+    (4, BatchConfig(8, 1), dict(fp8="delayed"), "cpu", False, {}),
+    (2, BatchConfig(8, 1), {}, "cpu", False, dict(context_parallel_size=2)),
+    (4, BatchConfig(8, 1), {}, "cpu", False, dict(overlap_param_gather=True, use_distributed_optimizer=False)),
+    (2, BatchConfig(3, 1), {}, "cpu", False, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+]
+
+
+@pytest.mark.parametrize("world,batch,model,accelerator,use_te,sizes", BAD_LAYOUTS)
+def test_layout_errors_name_the_settings(world, batch, model, accelerator, use_te, sizes):
+    """The CLI points at config keys from what a LayoutError names: every name must be a real
+    MegatronStrategy argument or GPTConfig field, and each one the message itself talks about."""
+    import inspect
+
+    from lightning_mcore import GPTConfig
+
+    with pytest.raises(LayoutError) as info:
+        validate_layout(world, ParallelConfig(**sizes), batch, tiny_config(**model), accelerator, use_te)
+    error = info.value
+    assert error.options or error.fields or error.devices or error.accelerator, str(error)
+    arguments = inspect.signature(MegatronStrategy).parameters
+    for option in error.options:
+        assert option in arguments, option
+    for field in error.fields:
+        assert field in GPTConfig.__dataclass_fields__, field
+    named = error.options + error.fields
+    for name in named:
+        assert name in str(error), (name, str(error))

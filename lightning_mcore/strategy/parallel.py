@@ -20,7 +20,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class LayoutError(ValueError):
-    """A parallel layout, batch size or model shape that cannot work together."""
+    """A parallel layout, batch size or model shape that cannot work together.
+
+    It also says which settings are involved, so that a front end (the CLI) can point at
+    them: `options` (MegatronStrategy arguments), `fields` (model config fields), `devices`
+    (the world size, devices x num_nodes) and `accelerator`."""
+
+    def __init__(self, message: str, options: tuple = (), fields: tuple = (),
+                 devices: bool = False, accelerator: bool = False) -> None:
+        super().__init__(message)
+        self.options, self.fields = tuple(options), tuple(fields)
+        self.devices, self.accelerator = devices, accelerator
 
 
 @dataclass(frozen=True)
@@ -88,55 +98,67 @@ def validate_layout(
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "context_parallel_size", "expert_model_parallel_size"):
         if getattr(p, name) < 1:
-            raise LayoutError(f"{name}={getattr(p, name)} must be >= 1.")
+            raise LayoutError(f"{name}={getattr(p, name)} must be >= 1.", options=(name,))
     if world_size % p.model_parallel_size:
         raise LayoutError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
             f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = "
             f"{p.model_parallel_size}. Use devices x num_nodes that is a multiple of "
-            f"{p.model_parallel_size}, or change the parallel sizes."
+            f"{p.model_parallel_size}, or change the parallel sizes.",
+            options=("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"),
+            devices=True,
         )
     dp = p.data_parallel_size(world_size)
     if p.sequence_parallel and tp == 1:
         raise LayoutError(
             "sequence_parallel=True needs tensor_model_parallel_size > 1 (it splits the "
             "sequence across tensor-parallel ranks). Set tensor_model_parallel_size >= 2 or "
-            "sequence_parallel=False."
+            "sequence_parallel=False.",
+            options=("sequence_parallel", "tensor_model_parallel_size"),
         )
     vpp = p.virtual_pipeline_model_parallel_size
     if vpp is not None and (vpp < 1 or pp == 1):
         raise LayoutError(
             f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
-            f"(got {pp}). Set pipeline_model_parallel_size >= 2 or leave the virtual size unset."
+            f"(got {pp}). Set pipeline_model_parallel_size >= 2 or leave the virtual size unset.",
+            options=("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"),
         )
     etp = p.expert_tensor_parallel_size or tp
     if ep > 1 and (world_size // pp) % (ep * etp):
         raise LayoutError(
             f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) must divide "
-            f"the ranks of one pipeline stage ({world_size // pp})."
+            f"the ranks of one pipeline stage ({world_size // pp}).",
+            options=("expert_model_parallel_size", "expert_tensor_parallel_size", "pipeline_model_parallel_size"),
+            devices=True,
         )
     if p.overlap_param_gather and not p.use_distributed_optimizer:
-        raise LayoutError("overlap_param_gather=True needs use_distributed_optimizer=True.")
+        raise LayoutError("overlap_param_gather=True needs use_distributed_optimizer=True.",
+                          options=("overlap_param_gather", "use_distributed_optimizer"))
     if accelerator == "cpu" and use_te:
         raise LayoutError(
             "Transformer Engine layers need a CUDA GPU; on accelerator='cpu' use the local "
-            "layer spec (transformer_impl='local' in the model config)."
+            "layer spec (transformer_impl='local' in the model config).",
+            fields=("transformer_impl",), accelerator=True,
         )
 
     if batch is not None:
         if batch.micro_batch_size < 1 or batch.global_batch_size < 1:
-            raise LayoutError("global_batch_size and micro_batch_size must be >= 1.")
+            raise LayoutError("global_batch_size and micro_batch_size must be >= 1.",
+                              options=("global_batch_size", "micro_batch_size"))
         if batch.global_batch_size % (batch.micro_batch_size * dp):
             raise LayoutError(
                 f"global_batch_size ({batch.global_batch_size}) is not divisible by "
                 f"micro_batch_size ({batch.micro_batch_size}) x data-parallel size ({dp}) = "
-                f"{batch.micro_batch_size * dp}. Pick a global batch that is a multiple of it."
+                f"{batch.micro_batch_size * dp}. Pick a global batch that is a multiple of it.",
+                options=("global_batch_size", "micro_batch_size"), devices=True,
             )
         if vpp and pp > 1 and batch.num_microbatches(dp) % pp:
             raise LayoutError(
-                f"interleaved pipeline (virtual size {vpp}) needs the number of microbatches "
-                f"({batch.num_microbatches(dp)}) to be a multiple of pipeline_model_parallel_size "
-                f"({pp}). Raise global_batch_size or lower micro_batch_size."
+                f"virtual_pipeline_model_parallel_size={vpp} (interleaved pipeline) needs the number "
+                f"of microbatches ({batch.num_microbatches(dp)}) to be a multiple of pipeline_model_parallel_size "
+                f"({pp}). Raise global_batch_size or lower micro_batch_size.",
+                options=("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size",
+                         "global_batch_size", "micro_batch_size"),
             )
 
     if model is not None:
@@ -144,13 +166,15 @@ def validate_layout(
         if model.fp8 and not use_te:
             raise LayoutError(
                 f"fp8={model.fp8!r} needs Transformer Engine layers on a GPU (Hopper or newer); "
-                f"set fp8=None on this device."
+                f"set fp8=None on this device.",
+                fields=("fp8",), accelerator=True,
             )
         if cp > 1 and not use_te:
             raise LayoutError(
                 f"context_parallel_size={cp} needs Transformer Engine attention (ring attention "
                 f"over the cp group): run on GPU with transformer_impl 'auto' or "
-                f"'transformer_engine', or set context_parallel_size=1."
+                f"'transformer_engine', or set context_parallel_size=1.",
+                options=("context_parallel_size",), fields=("transformer_impl",), accelerator=True,
             )
 
 
@@ -160,13 +184,15 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
     if model.num_attention_heads % tp:
         raise LayoutError(
             f"num_attention_heads ({model.num_attention_heads}) is not divisible by "
-            f"tensor_model_parallel_size ({tp}). Use a tensor-parallel size that divides it."
+            f"tensor_model_parallel_size ({tp}). Use a tensor-parallel size that divides it.",
+            options=("tensor_model_parallel_size",), fields=("num_attention_heads",),
         )
     if groups % tp:
         raise LayoutError(
             f"num_query_groups ({groups}, the key/value heads; num_key_value_heads in a Hugging "
             f"Face config.json) is not divisible by "
-            f"tensor_model_parallel_size ({tp}). Use a tensor-parallel size that divides it."
+            f"tensor_model_parallel_size ({tp}). Use a tensor-parallel size that divides it.",
+            options=("tensor_model_parallel_size",), fields=("num_query_groups",),
         )
     stages = pp * p.virtual_stages
     if model.num_layers % stages:
@@ -175,27 +201,34 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
             what += f" x virtual_pipeline_model_parallel_size ({p.virtual_stages}) = {stages}"
         raise LayoutError(
             f"num_layers ({model.num_layers}) is not divisible by {what}: every (virtual) "
-            f"pipeline stage needs the same number of layers."
+            f"pipeline stage needs the same number of layers.",
+            options=("pipeline_model_parallel_size",)
+            + (("virtual_pipeline_model_parallel_size",) if p.virtual_pipeline_model_parallel_size else ()),
+            fields=("num_layers",),
         )
     ep = p.expert_model_parallel_size
     if ep > 1 and not model.num_moe_experts:
         raise LayoutError(
-            f"expert_model_parallel_size={ep} needs a MoE model (num_moe_experts is not set)."
+            f"expert_model_parallel_size={ep} needs a MoE model (num_moe_experts is not set).",
+            options=("expert_model_parallel_size",), fields=("num_moe_experts",),
         )
     if model.num_moe_experts and model.num_moe_experts % ep:
         raise LayoutError(
             f"expert_model_parallel_size ({ep}) does not divide num_moe_experts "
-            f"({model.num_moe_experts}). Use an expert-parallel size that divides it."
+            f"({model.num_moe_experts}). Use an expert-parallel size that divides it.",
+            options=("expert_model_parallel_size",), fields=("num_moe_experts",),
         )
     if p.context_parallel_size > 1 and model.seq_length % (2 * p.context_parallel_size):
         raise LayoutError(
             f"seq_length ({model.seq_length}) must be divisible by 2 x context_parallel_size "
-            f"({2 * p.context_parallel_size}) for load-balanced context parallelism."
+            f"({2 * p.context_parallel_size}) for load-balanced context parallelism.",
+            options=("context_parallel_size",), fields=("seq_length",),
         )
     if p.sequence_parallel and model.seq_length % tp:
         raise LayoutError(
             f"sequence_parallel splits seq_length ({model.seq_length}) over "
-            f"tensor_model_parallel_size ({tp}); make it divisible."
+            f"tensor_model_parallel_size ({tp}); make it divisible.",
+            options=("sequence_parallel", "tensor_model_parallel_size"), fields=("seq_length",),
         )
 
 
