@@ -306,6 +306,11 @@ def test_missing_model_directory_is_named(capsys):
     assert "error: model.init_args.model (SFTModule): checkpoints/does-not-exist is not a directory" in err
 
 
+def test_missing_data_file_is_named(capsys):
+    err = fails(capsys, "--config", "configs/sft.yaml", "--data.init_args.paths", "data/missing.jsonl")
+    assert "error: data (SFTDataModule): no file matches 'data/missing.jsonl'" in err
+
+
 def test_invalid_value_is_named(capsys):
     err = fails(capsys, "--config", "configs/sft_lora.yaml", "--model.init_args.lora.rank", "0")
     assert "model.init_args.lora" in err and "rank" in err

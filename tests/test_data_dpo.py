@@ -381,3 +381,8 @@ def test_sample_data_prefers_polite_correct_answers(tmp_path, tok):
         assert (
             sum(len(full) for full, _ in expected_pair(tok, user, r["chosen"], r["rejected"])) < 200
         )
+
+
+def test_missing_file_fails_at_construction(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no file matches .*pairs.jsonl"):
+        make(tmp_path, paths=str(tmp_path / "pairs.jsonl"))

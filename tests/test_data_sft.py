@@ -424,3 +424,13 @@ def test_ranks_read_disjoint_rows_and_resume_from_the_step(tmp_path):
     dm0.trainer.global_step = 2
     _, resumed = first_batch(0, step=2, state=dm0.state_dict())
     assert torch.equal(resumed["tokens"], straight[2])
+
+
+def test_missing_or_text_files_fail_at_construction(tmp_path):
+    # before any trainer starts: the path is checked in __init__, not when tokenizing
+    with pytest.raises(FileNotFoundError, match="no file matches .*missing.jsonl"):
+        make(tmp_path, paths=str(tmp_path / "missing.jsonl"))
+    text = tmp_path / "notes.txt"
+    text.write_text("plain text\n")
+    with pytest.raises(ValueError, match="text files hold no conversations"):
+        make(tmp_path, paths=[str(SFT), str(text)])

@@ -183,9 +183,9 @@ class DPODataModule(DataParallelDataModule):
         cache_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
-        check_options(seq_length, val_split, tokenizer)
-        self.save_hyperparameters()
         self.paths = [paths] if isinstance(paths, str) else list(paths)
+        check_options(self.paths, seq_length, val_split, tokenizer)
+        self.save_hyperparameters()
         self.stats: dict[str, Any] = {}
 
     def prepare_data(self) -> None:

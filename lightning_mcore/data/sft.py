@@ -98,11 +98,11 @@ class SFTDataModule(DataParallelDataModule):
         cache_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
-        check_options(seq_length, val_split, tokenizer)
+        self.paths = [paths] if isinstance(paths, str) else list(paths)
+        check_options(self.paths, seq_length, val_split, tokenizer)
         if truncation not in TRUNCATION:
             raise ValueError(f"truncation must be one of {TRUNCATION}")
         self.save_hyperparameters()
-        self.paths = [paths] if isinstance(paths, str) else list(paths)
         self.stats: dict[str, Any] = {}
 
     def prepare_data(self) -> None:
@@ -153,14 +153,29 @@ class SFTDataModule(DataParallelDataModule):
         return SFTRows(tokenized, rows, S, self.pad_token_id)
 
 
-def check_options(seq_length: Any, val_split: float, tokenizer: str) -> None:
+def check_options(paths: Sequence[str], seq_length: Any, val_split: float, tokenizer: str) -> None:
     """The checks every chat data module makes in ``__init__``: fail now, not after the trainer
-    has started."""
+    has started (missing files, text files, a missing tokenizer)."""
     if not isinstance(seq_length, int) or seq_length < 2:
         raise ValueError(f"seq_length must be an int >= 2, got {seq_length!r}")
     if not 0.0 <= val_split < 1.0:
         raise ValueError(f"val_split must be in [0, 1), got {val_split}")
+    for path in paths:
+        if not os.path.isdir(os.path.expanduser(path)):
+            conversation_files(path)
     preprocess.tokenizer_dir(tokenizer)
+
+
+def conversation_files(path: str) -> list[str]:
+    """The files behind a path or glob, refusing plain text (it holds no conversations)."""
+    files = preprocess.resolve_files(path)
+    for file in files:
+        if preprocess.BUILDERS[os.path.splitext(file)[1].lower()] == "text":
+            raise ValueError(
+                f"{file!r}: text files hold no conversations; use .jsonl/.json, "
+                ".parquet or a save_to_disk directory"
+            )
+    return files
 
 
 def split_samples(
@@ -194,12 +209,7 @@ def load_records(paths: Sequence[str], cache_dir: Optional[str] = None) -> Any:
                 loaded = loaded["train"]
             parts.append(loaded)
             continue
-        for builder, group in preprocess._runs_of_same_builder(preprocess.resolve_files(path)):
-            if builder == "text":
-                raise ValueError(
-                    f"{group[0]!r}: text files hold no conversations; use .jsonl/.json, "
-                    ".parquet or a save_to_disk directory"
-                )
+        for builder, group in preprocess._runs_of_same_builder(conversation_files(path)):
             parts.append(
                 datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
             )
