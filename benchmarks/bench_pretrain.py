@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import io
 import json
 import os
 import pstats
@@ -117,20 +118,32 @@ class StepTimer:
         self.host.append(time.thread_time() - self._h)
         self.gc.append(self._gc_total - self._gc_start)
         if self._prof is not None and len(self.times) == 13:
-            rank0 = int(os.environ.get("RANK", 0)) == 0
-            if isinstance(self._prof, cProfile.Profile):
-                self._prof.disable()
-                if rank0:
-                    stats = pstats.Stats(self._prof)
-                    stats.sort_stats("tottime").print_stats(30)
-                    stats.sort_stats("cumulative").print_stats(45)
-            else:
-                self._prof.__exit__(None, None, None)
-                if rank0:
-                    ka = self._prof.key_averages()
-                    print(ka.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-                    print(ka.table(sort_by="self_device_time_total", row_limit=30), flush=True)
+            self._report_profile()
             self._prof = None
+
+    def _report_profile(self) -> None:
+        """Rank 0 prints the tables; with BENCH_PROFILE_DIR set, every rank writes its own
+        (rank{N}.txt), so that the ranks of one step can be compared (EP, TP)."""
+        rank = int(os.environ.get("RANK", 0))
+        out_dir = os.environ.get("BENCH_PROFILE_DIR")
+        if isinstance(self._prof, cProfile.Profile):
+            self._prof.disable()
+            buf = io.StringIO()
+            stats = pstats.Stats(self._prof, stream=buf)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(45)
+            text = buf.getvalue()
+        else:
+            self._prof.__exit__(None, None, None)
+            ka = self._prof.key_averages()
+            text = (ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
+                    + ka.table(sort_by="self_device_time_total", row_limit=40))
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+                f.write(f"steps 10-12, step s {self.times[10:13]}\n{text}")
+        elif rank == 0:
+            print(text, flush=True)
 
     def host_summary(self, warmup: int) -> dict:
         """This rank's mean main-thread CPU ms and GC ms per timed step."""
@@ -280,6 +293,8 @@ def main() -> None:
     ap.add_argument("--data", default="random", help="'random' or a real_text.py token directory")
     ap.add_argument("--losses", action="store_true", help="report every step's loss")
     ap.add_argument("--recompute", choices=["full", "selective"], default=None)
+    ap.add_argument("--recompute-block", type=int, default=None, metavar="N",
+                    help="with --recompute full: recompute only the first N layers (mcore's block method)")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of steps 10-12")
     ap.add_argument("--pyprofile", action="store_true", help="print cProfile tables of steps 10-12 (rank 0)")
     ap.add_argument("--no-wgrad-fusion", action="store_true",
@@ -304,6 +319,10 @@ def main() -> None:
             ap.error("--fp8-amax needs --fp8 delayed")
         length, algo = args.fp8_amax.split(":")
         extra = {"fp8_amax_history_len": int(length), "fp8_amax_compute_algo": algo}
+    if args.recompute_block is not None:
+        if args.recompute != "full":
+            ap.error("--recompute-block needs --recompute full")
+        extra.update(recompute_method="block", recompute_num_layers=args.recompute_block)
     cfg = GPTConfig(**shape, seq_length=args.seq, transformer_impl="transformer_engine", fp8=args.fp8,
                     recompute_granularity=args.recompute, extra=extra)
     parallel = ParallelConfig(
@@ -337,7 +356,9 @@ def main() -> None:
         result = {
             "impl": args.impl, "shape": args.shape, "gpus": world, "tp": args.tp, "pp": args.pp,
             "vpp": args.vpp, "cp": args.cp, "ep": args.ep, "sp": parallel.sequence_parallel,
-            "fp8": args.fp8, "fp8_amax": args.fp8_amax, "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,
+            "fp8": args.fp8, "fp8_amax": args.fp8_amax,
+            "recompute": args.recompute, "recompute_block": args.recompute_block,
+            "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,
             "timed_steps": len(timed), "step_s": round(step, 4),
             "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(mfu, 4),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),

@@ -44,10 +44,11 @@ CASES = {
                             # delayed scaling with mcore's default amax history instead of 1024:max
                             ("fp8-delayed-h1", " --fp8 delayed --fp8-amax 1:most_recent"))
     ],
-    # FP8 speed where the GPU is the bottleneck: micro batch 2 fits in 80 GB only with full recompute
+    # FP8 speed at micro batch 2, where the GPU rather than the host sets the pace; it fits in
+    # 80 GB when the first 8 of the 28 layers recompute their forward (mcore's block method)
     "fp8-speed": [
-        (1, label, f"--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 16 --warmup 6 --recompute full "
-                   f"--data {{text}}{flag}")
+        (1, label, f"--impl lightning --shape llama-3b --mbs 2 --gbs 8 --steps 14 --warmup 6 --recompute full "
+                   f"--recompute-block 8 --data {{text}}{flag}")
         for label, flag in (("bf16", ""), ("fp8-delayed", " --fp8 delayed"), ("fp8-current", " --fp8 current"))
     ],
     "fp8-profile": [  # where the time goes: torch.profiler tables of steps 10-12 (in the .log)
@@ -80,13 +81,18 @@ CASES = {
         (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
         (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
     ],
+    "moe-profile": [  # torch.profiler tables of steps 10-12 on every rank (profiles/moe-profile_LABEL/)
+        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 --profile"),
+        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 "
+                         "--profile"),
+    ],
 }
 
 
-def run(gpus: int, args: str, log, alloc_conf: str) -> dict | None:
+def run(gpus: int, args: str, log, alloc_conf: str, profile_dir: Path) -> dict | None:
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={gpus}", str(HERE / "bench_pretrain.py"), *args.split()]
     env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}",
-           "PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
+           "PYTORCH_CUDA_ALLOC_CONF": alloc_conf, "BENCH_PROFILE_DIR": str(profile_dir)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     log.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}\n")
     log.flush()
@@ -162,7 +168,8 @@ def main() -> None:
                 print(f"{case}/{label}: skipped, needs {need} GPUs (have {gpus})", flush=True)
                 continue
             print(f"{case}/{label} ...", flush=True)
-            r = run(need, bench_args.format(text=args.text), log, args.alloc_conf)
+            r = run(need, bench_args.format(text=args.text), log, args.alloc_conf,
+                    Path(args.out).parent / "profiles" / f"{case}_{label.replace('#', '-')}")
             if r is not None:
                 r.update(case=case, label=label, alloc_conf=args.alloc_conf)
                 out.write(json.dumps(r) + "\n")
