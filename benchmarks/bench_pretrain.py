@@ -165,8 +165,10 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     from lightning_mcore.model.init import init_layout_invariant
     from lightning_mcore.strategy.parallel import context_parallel_slice
 
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    # Lightning binds the process group to the device (eager NCCL init; subgroups split from it)
+    dist.init_process_group("nccl", device_id=device if args.nccl_device_id else None)
     parallel_state.initialize_model_parallel(**parallel.sizes())
     model_parallel_cuda_manual_seed(1234)
     tf = to_transformer_config(cfg, parallel, torch.bfloat16, on_cpu=False, use_te=True)
@@ -297,6 +299,8 @@ def main() -> None:
                     help="with --recompute full: recompute only the first N layers (mcore's block method)")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of steps 10-12")
     ap.add_argument("--pyprofile", action="store_true", help="print cProfile tables of steps 10-12 (rank 0)")
+    ap.add_argument("--nccl-device-id", action="store_true",
+                    help="raw only: init_process_group(device_id=...), as Lightning's DDP strategies do")
     ap.add_argument("--no-wgrad-fusion", action="store_true",
                     help="raw only: TE layers return bf16 weight grads that DDP adds to main_grad")
     args = ap.parse_args()

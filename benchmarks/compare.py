@@ -81,6 +81,11 @@ CASES = {
         (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
         (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
     ],
+    "moe-devid": [  # the raw loop with Lightning's process-group init (device_id bound) against without
+        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
+        (2, "raw-devid", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
+                         "--nccl-device-id"),
+    ],
     "moe-profile": [  # torch.profiler tables of steps 10-12 on every rank (profiles/moe-profile_LABEL/)
         (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 --profile"),
         (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 "
@@ -119,7 +124,7 @@ def summarize(case: str, results: dict) -> None:
               f"{(f'{loss:.4f}' if loss is not None else '-'):>10}")
     tok = {k: r["tokens_per_s_per_gpu"] for k, r in results.items()}
     pairs = [("lightning", "raw"), ("raw", "raw-nofuse"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
-             ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1", "bf16"), ("lightning-dp4", "lightning-1gpu"),
+             ("raw-devid", "raw"), ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1", "bf16"), ("lightning-dp4", "lightning-1gpu"),
              ("raw-dp4", "lightning-1gpu")]
     repeats = sorted({k.partition("#")[2] for k in tok})
     for suffix in repeats:

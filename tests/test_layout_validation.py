@@ -4,8 +4,15 @@ import lightning as L
 import pytest
 import torch.distributed as dist
 
-from lightning_mcore import BatchConfig, LayoutError, MegatronStrategy, ParallelConfig, PretrainModule
-from lightning_mcore.strategy.parallel import validate_layout
+from lightning_mcore import (
+    BatchConfig,
+    LayoutError,
+    MegatronStrategy,
+    OptimizerSettings,
+    ParallelConfig,
+    PretrainModule,
+)
+from lightning_mcore.strategy.parallel import resolve_fast_path, validate_layout
 from toy import tiny_config
 
 
@@ -83,6 +90,34 @@ def test_fast_path_defaults_follow_the_device():
     strategy = MegatronStrategy(global_batch_size=8, use_distributed_optimizer=True)
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
     assert strategy.parallel.use_distributed_optimizer is True
+
+
+def test_fast_path_keeps_the_plain_optimizer_for_sgd():
+    """mcore's distributed optimizer takes Adam only: left unset, it stays off for SGD on GPU;
+    asked for explicitly, it is refused with SGD."""
+    unset = ParallelConfig(use_distributed_optimizer=None, overlap_grad_reduce=None)
+    gpu_adam = resolve_fast_path(unset, on_gpu=True, optimizer="adam")
+    assert gpu_adam.use_distributed_optimizer and gpu_adam.overlap_grad_reduce
+    gpu_sgd = resolve_fast_path(unset, on_gpu=True, optimizer="sgd")
+    assert not gpu_sgd.use_distributed_optimizer and gpu_sgd.overlap_grad_reduce
+    assert not resolve_fast_path(unset, on_gpu=False, optimizer="adam").use_distributed_optimizer
+    asked = resolve_fast_path(ParallelConfig(use_distributed_optimizer=True), on_gpu=True, optimizer="sgd")
+    assert asked.use_distributed_optimizer
+    with pytest.raises(LayoutError, match="use_distributed_optimizer=True cannot run optimizer='sgd'") as info:
+        validate_layout(2, asked, BatchConfig(8, 1), tiny_config(), "gpu", optimizer="sgd")
+    assert info.value.options == ("use_distributed_optimizer",)
+    validate_layout(2, gpu_sgd, BatchConfig(8, 1), tiny_config(), "gpu", optimizer="sgd")
+
+
+def test_trainer_refuses_sgd_with_distributed_optimizer(tmp_path):
+    """The module's optimizer is checked in setup_environment, before torch.distributed starts."""
+    strategy = MegatronStrategy(global_batch_size=4, use_distributed_optimizer=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    module = PretrainModule(tiny_config(), OptimizerSettings(optimizer="sgd"))
+    with pytest.raises(LayoutError, match="shards Adam's state only"):
+        trainer.fit(module, [])
+    assert not dist.is_initialized() and module.chunks is None
 
 
 def test_te_on_cpu():

@@ -38,6 +38,7 @@ from lightning_mcore.strategy.optimizer import (
 from lightning_mcore.strategy.parallel import (
     BatchConfig,
     ParallelConfig,
+    resolve_fast_path,
     validate_layout,
 )
 
@@ -104,6 +105,7 @@ class MegatronStrategy(DDPStrategy):
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
         )
+        self._requested_parallel = self.parallel  # None = the device's fast path (resolve_fast_path)
         self.batch = BatchConfig(global_batch_size, micro_batch_size)
         self.seed = seed
         self.checkpoint_options = checkpoint or CheckpointOptions()
@@ -130,7 +132,7 @@ class MegatronStrategy(DDPStrategy):
         """Context for calls into mcore: on CPU, CUDA-only tensor creation lands on CPU."""
         return cuda_on_cpu() if self.on_cpu else contextlib.nullcontext()
 
-    def validate(self, model_config=None) -> None:
+    def validate(self, model_config=None, optimizer: Optional[str] = None) -> None:
         """All layout checks, pure: runs before any process group or model exists."""
         validate_layout(
             self.num_nodes * self.num_processes,
@@ -139,27 +141,23 @@ class MegatronStrategy(DDPStrategy):
             model_config,
             accelerator="cpu" if self.on_cpu else "gpu",
             use_te=model_config.uses_te("cpu" if self.on_cpu else "gpu") if model_config else False,
+            optimizer=optimizer,
         )
 
     def _configure_launcher(self) -> None:
         # Lightning calls this when the Trainer is built: the earliest point at which the world
         # size and the device are known. Layout and batch mistakes fail here, in the main process.
-        self._resolve_device_defaults()
+        self.parallel = resolve_fast_path(self._requested_parallel, on_gpu=not self.on_cpu)
         self.validate()
         super()._configure_launcher()
 
-    def _resolve_device_defaults(self) -> None:
-        fast = not self.on_cpu
-        p = self.parallel
-        self.parallel = dataclasses.replace(
-            p,
-            use_distributed_optimizer=fast if p.use_distributed_optimizer is None else p.use_distributed_optimizer,
-            overlap_grad_reduce=fast if p.overlap_grad_reduce is None else p.overlap_grad_reduce,
-        )
-
     def setup_environment(self) -> None:
-        # Checks that need the model's shape; still before any process group exists.
-        self.validate(getattr(self.lightning_module, "model_config", None))
+        # Checks that need the model's shape and its optimizer; still before any process group
+        # exists. The fast-path defaults are settled again now that the optimizer is known.
+        module = self.lightning_module
+        optimizer = getattr(getattr(module, "optim", None), "optimizer", None)
+        self.parallel = resolve_fast_path(self._requested_parallel, not self.on_cpu, optimizer)
+        self.validate(getattr(module, "model_config", None), optimizer)
         _ = self.dtype  # refuse unsupported precision before starting processes groups
         if self.on_cpu:
             self._cpu.install()

@@ -12,7 +12,7 @@ tensor-parallel ranks are adjacent, pipeline stages are the slowest-varying dime
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,6 +83,18 @@ class BatchConfig:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
 
 
+def resolve_fast_path(parallel: ParallelConfig, on_gpu: bool, optimizer: Optional[str] = None) -> ParallelConfig:
+    """Fill the options left at None with the device's fast path: on GPU the distributed
+    optimizer and overlapped grad reduce, on CPU neither. mcore's distributed optimizer
+    shards Adam's state only, so another optimizer (`optimizer`, e.g. "sgd") keeps the plain one."""
+    distributed, overlap = parallel.use_distributed_optimizer, parallel.overlap_grad_reduce
+    return replace(
+        parallel,
+        use_distributed_optimizer=on_gpu and optimizer in (None, "adam") if distributed is None else distributed,
+        overlap_grad_reduce=on_gpu if overlap is None else overlap,
+    )
+
+
 def validate_layout(
     world_size: int,
     parallel: ParallelConfig,
@@ -90,8 +102,10 @@ def validate_layout(
     model: Optional["GPTConfig"] = None,
     accelerator: str = "cpu",
     use_te: bool = False,
+    optimizer: Optional[str] = None,
 ) -> None:
-    """Raise LayoutError naming the problem and the fix; return None when the layout works."""
+    """Raise LayoutError naming the problem and the fix; return None when the layout works.
+    `optimizer` is the module's OptimizerSettings.optimizer, where known."""
     p = parallel
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     ep = p.expert_model_parallel_size
@@ -134,6 +148,13 @@ def validate_layout(
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         raise LayoutError("overlap_param_gather=True needs use_distributed_optimizer=True.",
                           options=("overlap_param_gather", "use_distributed_optimizer"))
+    if p.use_distributed_optimizer and optimizer not in (None, "adam"):
+        raise LayoutError(
+            f"use_distributed_optimizer=True cannot run optimizer={optimizer!r}: mcore's distributed "
+            f"optimizer shards Adam's state only. Use optimizer='adam', or "
+            f"use_distributed_optimizer=False (or leave it unset: it is then off for {optimizer!r}).",
+            options=("use_distributed_optimizer",),
+        )
     if accelerator == "cpu" and use_te:
         raise LayoutError(
             "Transformer Engine layers need a CUDA GPU; on accelerator='cpu' use the local "
