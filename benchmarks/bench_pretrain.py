@@ -284,7 +284,7 @@ def main() -> None:
     ap.add_argument("--no-sp", action="store_true", help="TP without sequence parallelism")
     ap.add_argument("--fp8", choices=["delayed", "current"], default=None)
     ap.add_argument("--fp8-amax", default=None, metavar="LEN:ALGO",
-                    help="delayed scaling's amax history instead of model.fp8's 1024:max, e.g. 1:most_recent")
+                    help="delayed scaling's amax history instead of mcore's 1:most_recent, e.g. 1024:max (NeMo's)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--gbs", type=int, default=8, help="global batch (sequences per step)")
