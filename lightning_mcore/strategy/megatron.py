@@ -82,7 +82,7 @@ class MegatronStrategy(DDPStrategy):
 
         `use_distributed_optimizer` and `overlap_grad_reduce` left at None take the fast path
         for the device: on GPU both on (optimizer state sharded over data-parallel ranks, grad
-        reduce-scatter overlapped with backward), on CPU both off."""
+        reduce-scatter overlapped with backward; the sharding with Adam only), on CPU both off."""
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
