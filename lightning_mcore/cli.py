@@ -60,7 +60,7 @@ class MegatronCLI(LightningCLI):
         strategy = self.trainer.strategy
         if isinstance(strategy, MegatronStrategy):
             try:
-                strategy.validate(getattr(self.model, "model_config", None))
+                strategy.validate_module(self.model)
             except LayoutError as error:
                 self._layout_error(error)
 

@@ -293,6 +293,14 @@ def test_layout_mistake_names_hf_model(capsys, tmp_path, hf_stubs):
     assert "num_query_groups (8" in err
 
 
+def test_sgd_with_distributed_optimizer_is_named(capsys):
+    err = fails(capsys, "--config", "configs/sft.yaml", "--model.init_args.optim.optimizer", "sgd",
+                "--trainer.strategy.init_args.use_distributed_optimizer", "true")
+    assert "error: invalid parallel layout" in err
+    assert "trainer.strategy.init_args.use_distributed_optimizer=True" in err
+    assert "shards Adam's state only" in err
+
+
 def test_layout_batch_mistake_is_named(capsys):
     err = fails(capsys, "--config", "configs/sft.yaml", "--trainer.strategy.init_args.global_batch_size", "3")
     assert "trainer.strategy.init_args.global_batch_size=3" in err

@@ -151,13 +151,15 @@ class MegatronStrategy(DDPStrategy):
         self.validate()
         super()._configure_launcher()
 
-    def setup_environment(self) -> None:
-        # Checks that need the model's shape and its optimizer; still before any process group
-        # exists. The fast-path defaults are settled again now that the optimizer is known.
-        module = self.lightning_module
+    def validate_module(self, module) -> None:
+        """Settle the fast-path defaults for the module's optimizer (`optim`), then run every
+        check, those on its model config (`model_config`) included. Pure, like `validate`."""
         optimizer = getattr(getattr(module, "optim", None), "optimizer", None)
         self.parallel = resolve_fast_path(self._requested_parallel, not self.on_cpu, optimizer)
         self.validate(getattr(module, "model_config", None), optimizer)
+
+    def setup_environment(self) -> None:
+        self.validate_module(self.lightning_module)  # still before any process group exists
         _ = self.dtype  # refuse unsupported precision before starting processes groups
         if self.on_cpu:
             self._cpu.install()
