@@ -129,8 +129,8 @@ def summarize(case: str, results: dict) -> None:
               f"{(f'{loss:.4f}' if loss is not None else '-'):>10}")
     tok = {k: r["tokens_per_s_per_gpu"] for k, r in results.items()}
     pairs = [("lightning", "raw"), ("raw", "raw-nofuse"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
-             ("raw-devid", "raw"), ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"), ("lightning-dp4", "lightning-1gpu"),
-             ("raw-dp4", "lightning-1gpu")]
+             ("raw-devid", "raw"), ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"),
+             ("lightning-dp4", "lightning-1gpu"), ("raw-dp4", "lightning-1gpu")]
     repeats = sorted({k.partition("#")[2] for k in tok})
     for suffix in repeats:
         for a, b in pairs:
@@ -161,7 +161,8 @@ def main() -> None:
     args = ap.parse_args()
     cases = list(CASES) if "all" in args.cases else args.cases
     gpus = torch.cuda.device_count()
-    if {"fp8", "fp8-profile", "fp8-speed", "fp8-speed-mbs4"} & set(cases) and not Path(args.text, "tokens.npy").exists():
+    needs_text = {"fp8", "fp8-profile", "fp8-speed", "fp8-speed-mbs4"} & set(cases)
+    if needs_text and not Path(args.text, "tokens.npy").exists():
         subprocess.run([sys.executable, str(HERE / "real_text.py"), "--out", args.text, "--packages", "torch",
                         "--max-files", "2000"], check=True)
     out = open(args.out, "a")

@@ -153,7 +153,7 @@ class MegatronStrategy(DDPStrategy):
 
     def validate_module(self, module) -> None:
         """Settle the fast-path defaults for the module's optimizer (`optim`), then run every
-        check, those on its model config (`model_config`) included. Pure, like `validate`."""
+        check, those on its model config (`model_config`) included. Needs no process group."""
         optimizer = getattr(getattr(module, "optim", None), "optimizer", None)
         self.parallel = resolve_fast_path(self._requested_parallel, not self.on_cpu, optimizer)
         self.validate(getattr(module, "model_config", None), optimizer)
