@@ -88,6 +88,9 @@ class MegatronCLI(LightningCLI):
             keys.append(f"trainer.num_nodes={config.get('num_nodes')}")
         if error.accelerator:
             keys.append(f"trainer.accelerator={config.get('accelerator')}")
+        if error.optimizer:
+            optim = getattr(getattr(self, "model", None), "optim", None)
+            keys.append(f"model.init_args.optim.optimizer={getattr(optim, 'optimizer', None)}")
         model_config = getattr(getattr(self, "model", None), "model_config", None)
         model = self._get(self.config, "model")
         init_args = (model.get("init_args") if model is not None else None) or {}

@@ -298,7 +298,7 @@ def test_sgd_with_distributed_optimizer_is_named(capsys):
                 "--trainer.strategy.init_args.use_distributed_optimizer", "true")
     assert "error: invalid parallel layout" in err
     assert "trainer.strategy.init_args.use_distributed_optimizer=True" in err
-    assert "shards Adam's state only" in err
+    assert "model.init_args.optim.optimizer=sgd" in err and "shards Adam's state only" in err
 
 
 def test_layout_batch_mistake_is_named(capsys):

@@ -105,7 +105,7 @@ def test_fast_path_keeps_the_plain_optimizer_for_sgd():
     assert asked.use_distributed_optimizer
     with pytest.raises(LayoutError, match="use_distributed_optimizer=True cannot run optimizer='sgd'") as info:
         validate_layout(2, asked, BatchConfig(8, 1), tiny_config(), "gpu", optimizer="sgd")
-    assert info.value.options == ("use_distributed_optimizer",)
+    assert info.value.options == ("use_distributed_optimizer",) and info.value.optimizer
     validate_layout(2, gpu_sgd, BatchConfig(8, 1), tiny_config(), "gpu", optimizer="sgd")
 
 

@@ -24,13 +24,14 @@ class LayoutError(ValueError):
 
     It also says which settings are involved, so that a front end (the CLI) can point at
     them: `options` (MegatronStrategy arguments), `fields` (model config fields), `devices`
-    (the world size, devices x num_nodes) and `accelerator`."""
+    (the world size, devices x num_nodes), `accelerator` and `optimizer` (the module's
+    OptimizerSettings.optimizer)."""
 
     def __init__(self, message: str, options: tuple = (), fields: tuple = (),
-                 devices: bool = False, accelerator: bool = False) -> None:
+                 devices: bool = False, accelerator: bool = False, optimizer: bool = False) -> None:
         super().__init__(message)
         self.options, self.fields = tuple(options), tuple(fields)
-        self.devices, self.accelerator = devices, accelerator
+        self.devices, self.accelerator, self.optimizer = devices, accelerator, optimizer
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def validate_layout(
             f"use_distributed_optimizer=True cannot run optimizer={optimizer!r}: mcore's distributed "
             f"optimizer shards Adam's state only. Use optimizer='adam', or "
             f"use_distributed_optimizer=False (or leave it unset: it is then off for {optimizer!r}).",
-            options=("use_distributed_optimizer",),
+            options=("use_distributed_optimizer",), optimizer=True,
         )
     if accelerator == "cpu" and use_te:
         raise LayoutError(
