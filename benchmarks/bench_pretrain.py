@@ -15,6 +15,7 @@ line (rank 0): tokens/s/GPU, MFU, peak memory, mean step time (and per-step loss
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -152,6 +153,17 @@ class StepTimer:
                 "gc_ms": round(1e3 * sum(self.gc[warmup:]) / n, 2)}
 
 
+def pin_cpus() -> list[int]:
+    """Give this rank its own block of the machine's CPUs: its threads and data workers inherit
+    it, so the scheduler cannot move a rank's main thread onto a core another rank keeps busy."""
+    cpus = sorted(os.sched_getaffinity(0))
+    rank, ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    per = len(cpus) // ranks
+    mine = cpus[rank * per:(rank + 1) * per]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer:
     from megatron.core import parallel_state
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
@@ -172,7 +184,9 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     parallel_state.initialize_model_parallel(**parallel.sizes())
     model_parallel_cuda_manual_seed(1234)
     tf = to_transformer_config(cfg, parallel, torch.bfloat16, on_cpu=False, use_te=True)
-    chunks = [c.cuda() for c in build_chunks(cfg, tf, use_te=True, fuse_wgrad=not args.no_wgrad_fusion)]
+    # --init-device-context: build as Lightning's configure_model() does, inside torch.device(cuda)
+    with device if args.init_device_context else contextlib.nullcontext():
+        chunks = [c.cuda() for c in build_chunks(cfg, tf, use_te=True, fuse_wgrad=not args.no_wgrad_fusion)]
     init_layout_invariant(chunks, cfg, seed=1234)  # the same initial weights as (b): same routing, same losses
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True, check_for_nan_in_grad=False)
@@ -254,7 +268,14 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
         def on_train_end(self, trainer, *a):
             logged.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("perf/")})
 
-    strategy = MegatronStrategy(
+    class NoInitDevice(MegatronStrategy):
+        """--no-init-device-context: configure_model() without Lightning's torch.device(cuda)."""
+
+        @contextlib.contextmanager
+        def tensor_init_context(self, empty_init=None):
+            yield
+
+    strategy = (NoInitDevice if args.no_init_device_context else MegatronStrategy)(
         **parallel.sizes(), sequence_parallel=parallel.sequence_parallel,
         global_batch_size=args.gbs, micro_batch_size=args.mbs,
     )
@@ -301,11 +322,24 @@ def main() -> None:
     ap.add_argument("--pyprofile", action="store_true", help="print cProfile tables of steps 10-12 (rank 0)")
     ap.add_argument("--nccl-device-id", action="store_true",
                     help="raw only: init_process_group(device_id=...), as Lightning's DDP strategies do")
+    ap.add_argument("--init-device-context", action="store_true",
+                    help="raw only: build the model inside torch.device(cuda), as Lightning's configure_model does")
+    ap.add_argument("--no-init-device-context", action="store_true",
+                    help="lightning only: build the model outside Lightning's torch.device(cuda) context")
+    ap.add_argument("--pin-cpus", action="store_true",
+                    help="each rank on its own block of CPUs (threads and data workers included)")
+    ap.add_argument("--moe-capacity", type=float, default=None, metavar="F",
+                    help="MoE: fixed expert capacity factor F with padding (no per-layer host sync)")
     ap.add_argument("--no-wgrad-fusion", action="store_true",
                     help="raw only: TE layers return bf16 weight grads that DDP adds to main_grad")
     args = ap.parse_args()
+    pinned = pin_cpus() if args.pin_cpus else None
     if args.no_wgrad_fusion and args.impl != "raw":
         ap.error("--no-wgrad-fusion applies to --impl raw only (lightning-mcore always fuses with TE)")
+    if args.init_device_context and args.impl != "raw":
+        ap.error("--init-device-context applies to --impl raw only (lightning builds inside it already)")
+    if args.no_init_device_context and args.impl != "lightning":
+        ap.error("--no-init-device-context applies to --impl lightning only")
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     shape = dict(SHAPES[args.shape])
@@ -327,6 +361,8 @@ def main() -> None:
         if args.recompute != "full":
             ap.error("--recompute-block needs --recompute full")
         extra.update(recompute_method="block", recompute_num_layers=args.recompute_block)
+    if args.moe_capacity is not None:
+        extra.update(moe_expert_capacity_factor=args.moe_capacity, moe_pad_expert_input_to_capacity=True)
     cfg = GPTConfig(**shape, seq_length=args.seq, transformer_impl="transformer_engine", fp8=args.fp8,
                     recompute_granularity=args.recompute, extra=extra)
     parallel = ParallelConfig(
@@ -362,6 +398,9 @@ def main() -> None:
             "vpp": args.vpp, "cp": args.cp, "ep": args.ep, "sp": parallel.sequence_parallel,
             "fp8": args.fp8, "fp8_amax": args.fp8_amax,
             "recompute": args.recompute, "recompute_block": args.recompute_block,
+            "moe_capacity": args.moe_capacity, "pinned_cpus_rank0": pinned,
+            "init_device_context": args.init_device_context or (args.impl == "lightning"
+                                                                and not args.no_init_device_context),
             "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,
             "timed_steps": len(timed), "step_s": round(step, 4),
             "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(mfu, 4),

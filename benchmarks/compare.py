@@ -91,6 +91,29 @@ CASES = {
         (2, "raw-devid", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
                          "--nccl-device-id"),
     ],
+    # bisect: Lightning builds the model inside torch.device(cuda) (Strategy.tensor_init_context),
+    # the raw loop outside it; each loop the other way round
+    "moe-initdev": [
+        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
+        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
+        (2, "raw-initdev", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
+                           "--init-device-context"),
+        (2, "lightning-noinitdev", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 "
+                                   "--warmup 6 --no-init-device-context"),
+    ],
+    # the moe case with each rank's process pinned to its own half of the CPUs
+    "moe-pinned": [
+        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 --pin-cpus"),
+        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
+                         "--pin-cpus"),
+    ],
+    # a fixed expert capacity with padding: static shapes, no per-layer device-to-host sync
+    "moe-capacity": [
+        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
+                   "--moe-capacity 1.0"),
+        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
+                         "--moe-capacity 1.0"),
+    ],
     "moe-profile": [  # torch.profiler tables of steps 10-12 on every rank (profiles/moe-profile_LABEL/)
         (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 --profile"),
         (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 "
@@ -129,7 +152,8 @@ def summarize(case: str, results: dict) -> None:
               f"{(f'{loss:.4f}' if loss is not None else '-'):>10}")
     tok = {k: r["tokens_per_s_per_gpu"] for k, r in results.items()}
     pairs = [("lightning", "raw"), ("raw", "raw-nofuse"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
-             ("raw-devid", "raw"), ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"),
+             ("raw-devid", "raw"), ("raw-initdev", "raw"), ("lightning-noinitdev", "lightning"),
+             ("lightning-noinitdev", "raw"), ("lightning", "raw-initdev"), ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"),
              ("lightning-dp4", "lightning-1gpu"), ("raw-dp4", "lightning-1gpu")]
     repeats = sorted({k.partition("#")[2] for k in tok})
     for suffix in repeats:
