@@ -21,6 +21,9 @@ import torch
 
 HERE = Path(__file__).parent
 
+# the MoE cases' model and batches: a small Qwen3-MoE at EP=2, micro batch 1 x 4 per rank
+_MOE = "--shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"
+
 # case -> [(gpus, label, bench_pretrain.py arguments)]
 CASES = {
     "1b": [  # 1.2B Llama shape, seq 4096, 1 GPU
@@ -83,36 +86,29 @@ CASES = {
         (2, "lightning", "--impl lightning --cp 2 --seq 16384 --mbs 1 --gbs 4 --steps 16 --warmup 6 --losses"),
     ],
     "moe": [  # small Qwen3-MoE, EP=2, grouped GEMM, alltoall dispatcher, 2 GPUs
-        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
-        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
+        (2, "raw", f"--impl raw {_MOE}"),
+        (2, "lightning", f"--impl lightning {_MOE}"),
     ],
     "moe-devid": [  # the raw loop with Lightning's process-group init (device_id bound) against without
-        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
-        (2, "raw-devid", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
-                         "--nccl-device-id"),
+        (2, "raw", f"--impl raw {_MOE}"),
+        (2, "raw-devid", f"--impl raw {_MOE} --nccl-device-id"),
     ],
     # bisect: Lightning builds the model inside torch.device(cuda) (Strategy.tensor_init_context),
     # the raw loop outside it; each loop the other way round
     "moe-initdev": [
-        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
-        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"),
-        (2, "raw-initdev", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
-                           "--init-device-context"),
-        (2, "lightning-noinitdev", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 "
-                                   "--warmup 6 --no-init-device-context"),
+        (2, "raw", f"--impl raw {_MOE}"),
+        (2, "lightning", f"--impl lightning {_MOE}"),
+        (2, "raw-initdev", f"--impl raw {_MOE} --init-device-context"),
+        (2, "lightning-noinitdev", f"--impl lightning {_MOE} --no-init-device-context"),
     ],
-    # the moe case with each rank's process pinned to its own half of the CPUs
-    "moe-pinned": [
-        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 --pin-cpus"),
-        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
-                         "--pin-cpus"),
+    "moe-pinned": [  # the moe case with each rank's process pinned to its own half of the CPUs
+        (2, "raw", f"--impl raw {_MOE} --pin-cpus"),
+        (2, "lightning", f"--impl lightning {_MOE} --pin-cpus"),
     ],
     # a fixed expert capacity with padding: static shapes, no per-layer device-to-host sync
     "moe-capacity": [
-        (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
-                   "--moe-capacity 1.0"),
-        (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6 "
-                         "--moe-capacity 1.0"),
+        (2, "raw", f"--impl raw {_MOE} --moe-capacity 1.0"),
+        (2, "lightning", f"--impl lightning {_MOE} --moe-capacity 1.0"),
     ],
     "moe-profile": [  # torch.profiler tables of steps 10-12 on every rank (profiles/moe-profile_LABEL/)
         (2, "raw", "--impl raw --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 --profile"),
@@ -153,7 +149,8 @@ def summarize(case: str, results: dict) -> None:
     tok = {k: r["tokens_per_s_per_gpu"] for k, r in results.items()}
     pairs = [("lightning", "raw"), ("raw", "raw-nofuse"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
              ("raw-devid", "raw"), ("raw-initdev", "raw"), ("lightning-noinitdev", "lightning"),
-             ("lightning-noinitdev", "raw"), ("lightning", "raw-initdev"), ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"),
+             ("lightning-noinitdev", "raw"), ("lightning", "raw-initdev"),
+             ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"),
              ("lightning-dp4", "lightning-1gpu"), ("raw-dp4", "lightning-1gpu")]
     repeats = sorted({k.partition("#")[2] for k in tok})
     for suffix in repeats:
