@@ -273,4 +273,3 @@ def context_parallel_slice(batch: dict, cp_size: int, cp_rank: int) -> dict:
         mine = chunks[:, [cp_rank, 2 * cp_size - 1 - cp_rank]]
         out[key] = mine.reshape(rows, -1, *value.shape[2:])
     return out
-
