@@ -1,5 +1,9 @@
 """Train and fine-tune LLMs with Megatron-Core parallelism from plain Lightning."""
 
+from lightning_mcore import quiet
+
+quiet.install()  # before megatron.core is imported: its import warns
+
 from lightning_mcore.callbacks import HFExport, MegatronThroughput
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig

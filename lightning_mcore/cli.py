@@ -64,6 +64,15 @@ class MegatronCLI(LightningCLI):
             except LayoutError as error:
                 self._layout_error(error)
 
+    def instantiate_trainer(self, **kwargs):
+        """Our progress bar and model summary where the config left Lightning's defaults."""
+        from lightning_mcore.callbacks.console import default_console
+
+        options = self._get(self.config_init, "trainer", default={})
+        given = options.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        return super().instantiate_trainer(**default_console(options, given), **kwargs)
+
     # ------------------------------------------------------------------ errors
     def _error(self, message: str, cause: Optional[BaseException] = None) -> NoReturn:
         """`error: message` with the (sub)command's usage on stderr, exit code 2."""

@@ -1,6 +1,7 @@
-"""Callbacks: HF export during training; throughput and MFU."""
+"""Callbacks: HF export during training; throughput and MFU; what the console shows."""
 
+from lightning_mcore.callbacks.console import MegatronModelSummary, MegatronProgressBar
 from lightning_mcore.callbacks.hf_export import HFExport
 from lightning_mcore.callbacks.throughput import MegatronThroughput
 
-__all__ = ["HFExport", "MegatronThroughput"]
+__all__ = ["HFExport", "MegatronModelSummary", "MegatronProgressBar", "MegatronThroughput"]

@@ -1,0 +1,70 @@
+"""The warnings and notices known to say nothing to a user of this library, silenced in one place.
+
+Each entry is an exact message (a regular expression matched from its start), the category and
+the module that raises it, and why it is harmless here; any other warning still shows. `install`
+runs when `lightning_mcore` is imported, before megatron.core (whose import warns) and again in
+every worker process, since each one imports the package.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+
+@dataclass(frozen=True)
+class Harmless:
+    message: str  # regex, matched from the start of the message
+    category: type
+    module: str  # regex, matched from the start of the raising module's name
+    why: str
+    cpu_only: bool = False  # on a machine with a GPU the warning means something: keep it
+
+
+HARMLESS = (
+    Harmless(r"Apex is not installed\. Falling back to Torch Norm", UserWarning, r"megatron\.core\.",
+             "we never use Apex's norm: Transformer Engine's on GPU, torch's otherwise"),
+    Harmless(r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning,
+             r"megatron\.core\.",
+             "on CPU torch's optimizers and multi-tensor ops are the ones to use", cpu_only=True),
+    Harmless(r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning,
+             r"megatron\.core\.transformer\.transformer_config",
+             "mcore's TransformerConfig warns about its own default (cuda_graph_scope='full')"),
+    Harmless(r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
+             r"environment variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning,
+             r"megatron\.core\.tensor_parallel\.layers",
+             "a CUDA stream setting: nothing to set on CPU", cpu_only=True),
+    Harmless(r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+             r"lightning\.pytorch\.utilities\._pytree",
+             "Lightning's own use of a torch API that newer torch deprecates"),
+    Harmless(r"It is recommended to use `self\.log\('val/[^']*', \.\.\., sync_dist=True\)`",
+             PossibleUserWarning, r"lightning\.pytorch\.trainer\.connectors\.logger_connector",
+             "the strategy reduces val/ metrics over data-parallel ranks before they are logged"),
+)
+
+# Lightning's log lines that advertise other products, not anything about the run.
+ADVERTS = ("💡 Tip:",)
+
+
+class _NoAdverts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(ADVERTS)
+
+
+def install() -> None:
+    """Add the filters (idempotent: warnings.filterwarnings replaces an identical entry)."""
+    import torch
+
+    has_gpu = torch.cuda.device_count() > 0  # NVML-based: does not initialise CUDA (fork-safe)
+    for entry in HARMLESS:
+        if entry.cpu_only and has_gpu:
+            continue
+        warnings.filterwarnings("ignore", message=entry.message, category=entry.category,
+                                module=entry.module)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoAdverts) for f in logger.filters):
+            logger.addFilter(_NoAdverts())
