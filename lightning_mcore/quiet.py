@@ -43,6 +43,18 @@ HARMLESS = (
     Harmless(r"It is recommended to use `self\.log\('val/[^']*', \.\.\., sync_dist=True\)`",
              PossibleUserWarning, r"lightning\.pytorch\.trainer\.connectors\.logger_connector",
              "the strategy reduces val/ metrics over data-parallel ranks before they are logged"),
+    Harmless(r"Total length of `list` across ranks is zero", UserWarning,
+             r"lightning\.pytorch\.utilities\.data",
+             "our data modules' val_dataloader returns [] for no validation split (val_split: 0)"),
+    Harmless(r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+             FutureWarning, r"torch\.distributed\.",
+             "mcore's sequence-parallel collectives use torch APIs that newer torch deprecates"),
+    Harmless(r"`load_state_dict` is deprecated and will be removed in future versions\. Please use "
+             r"`load` instead", FutureWarning, r"megatron\.core\.dist_checkpointing\.",
+             "mcore's checkpoint loading uses a torch API that newer torch deprecates"),
+    Harmless(r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
+             r"(megatron\.core|lightning_mcore\.strategy\.cpu)\b",
+             "mcore's dist_checkpointing builds torch ShardedTensors (seen through our CPU layer)"),
 )
 
 # Lightning's log lines that advertise other products, not anything about the run.
