@@ -7,6 +7,7 @@ that cannot work, a missing model directory) end with a message naming the key, 
 no traceback, before any process starts."""
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def runnable_args(name: str, tmp_path, hf_stubs, indexed_prefix) -> list:
         args += ["--trainer.accelerator", "cpu"]
     if trainer.get("logger"):
         args += ["--trainer.logger.init_args.save_dir", str(tmp_path / "logs")]
-    if isinstance(model["model"], str):
+    if isinstance(model["model"], str) and not (ROOT / model["model"]).is_dir():  # not bundled
         assert model["model"] in hf_stubs, f"{name}: unknown placeholder model {model['model']}"
         args += ["--model.init_args.model", hf_stubs[model["model"]]]
     tokenizer = data["tokenizer"]
@@ -163,6 +164,13 @@ def test_config_instantiates(name, tmp_path, hf_stubs, indexed_prefix):
         callback(cli, "MegatronThroughput")
         callback(cli, "ModelCheckpoint")
         assert type(cli.trainer.logger).__name__ in ("CSVLogger", "TensorBoardLogger")
+    else:  # a CPU config: last.ckpt where its header's export command reads it
+        checkpoint = callback(cli, "ModelCheckpoint")
+        where = f"runs/{Path(name).stem}/checkpoints"
+        assert checkpoint.save_last and Path(checkpoint.dirpath) == (ROOT / where)
+        mode = " --mode peft" if module.lora is not None else ""
+        assert re.search(rf"lightning-mcore export --checkpoint {where}/last.ckpt --output \S+{mode}\n",
+                         (ROOT / "configs" / name).read_text())
 
 
 def hf_cli(name, tmp_path, hf_stubs, indexed_prefix, *extra):
@@ -276,7 +284,7 @@ def test_layout_world_size_mistake_is_named(capsys):
 
 def test_layout_model_shape_mistake_is_named(capsys):
     # 4 ranks hold TP=4 fine, but the model has 2 query groups: refused before fit starts.
-    err = fails(capsys, "--config", "configs/sft.yaml", "--trainer.devices", "4",
+    err = fails(capsys, "--config", "configs/quickstart.yaml", "--trainer.devices", "4",
                 "--trainer.strategy.init_args.tensor_model_parallel_size", "4")
     assert "error: invalid parallel layout" in err
     assert "trainer.strategy.init_args.tensor_model_parallel_size=4" in err

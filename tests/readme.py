@@ -1,0 +1,71 @@
+"""The README's commands and code, read from README.md itself, and run as a user runs them: in a
+fresh directory holding a copy of configs/, in a clean environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+
+# Earlier in-process launches leave these in this process's environment; a child that inherits
+# them believes it was launched by torchrun (or is reseeded).
+LAUNCH_VARS = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE",
+               "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "PL_TRAINER_GPUS",
+               "TORCHELASTIC_RUN_ID"}
+
+
+def section(title: str) -> str:
+    """The text of the README section headed `## title` (up to the next `## `)."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.S | re.M)
+    assert match, f"README has no section '## {title}'"
+    return match.group(1)
+
+
+def code_blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def commands(text: str, program: str = "lightning-mcore") -> list[list[str]]:
+    """The shell commands of `text`'s bash blocks that start with `program`, split into argv
+    (backslash continuations joined, comments dropped)."""
+    found = []
+    for block in code_blocks(text, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line, comments=True)
+            if argv and argv[0] == program:
+                found.append(argv)
+    return found
+
+
+def as_python(argv: list[str]) -> list[str]:
+    """`lightning-mcore ...` / `torchrun ...` through this interpreter (the checkout's package)."""
+    programs = {"lightning-mcore": ["-m", "lightning_mcore.cli"], "torchrun": ["-m", "torch.distributed.run"]}
+    return [sys.executable, *programs[argv[0]], *argv[1:]]
+
+
+def user_dir(path: Path) -> Path:
+    """A fresh working directory as a user's checkout has it: configs/ (copied, so runs/ lands here)."""
+    shutil.copytree(ROOT / "configs", path / "configs")
+    return path
+
+
+def clean_env(tmp: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_DATASETS_CACHE=str(tmp / ".datasets-cache"), **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run(argv: list[str], cwd: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(as_python(argv), cwd=cwd, env=clean_env(cwd, **env), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{shlex.join(argv)}\n{proc.stderr[-4000:]}"
+    return proc
