@@ -64,6 +64,11 @@ def clean_env(tmp: Path, **extra: str) -> dict:
     return env
 
 
+def warnings_in(text: str) -> list[str]:
+    """Lines of a console output that report a warning (Python's format or Lightning's)."""
+    return [line for line in text.splitlines() if re.search(r"\w*Warning\b|\.py:\d+: ", line)]
+
+
 def run(argv: list[str], cwd: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(as_python(argv), cwd=cwd, env=clean_env(cwd, **env), capture_output=True,
                           text=True, timeout=timeout)

@@ -353,3 +353,21 @@ def test_print_config(capsys, tmp_path, monkeypatch):
                             "--trainer.logger.init_args.save_dir", str(tmp_path / "logs")])
     assert len(calls) == 1 and calls[0][0] is cli.trainer and calls[0][1]["model"] is cli.model
     assert cli.trainer.strategy.parallel.tensor_model_parallel_size == 2
+
+
+def test_console_defaults_give_way_to_the_config():
+    """Our progress bar and summary replace Lightning's defaults, unless the config turns the bar
+    or the summary off, or brings its own."""
+    def names(*extra):
+        cli = MegatronCLI(args=["--config", "configs/quickstart.yaml", *extra], run=False)
+        return [type(c).__name__ for c in cli.trainer.callbacks]
+
+    default = names()
+    assert "MegatronProgressBar" in default and "MegatronModelSummary" in default
+    assert "ModelSummary" not in default and "RichModelSummary" not in default
+    quiet = names("--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false")
+    assert not {"MegatronProgressBar", "MegatronModelSummary", "ModelSummary", "RichModelSummary"} & set(quiet)
+    own = names("--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar",
+                "--trainer.callbacks+=lightning.pytorch.callbacks.ModelSummary")
+    assert "RichProgressBar" in own and "ModelSummary" in own
+    assert "MegatronProgressBar" not in own and "MegatronModelSummary" not in own

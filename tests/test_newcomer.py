@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from readme import code_blocks, commands, run, section, user_dir
+from readme import code_blocks, commands, run, section, user_dir, warnings_in
 
 SECTION = "Fine-tune with LoRA, load the adapter with peft"
 
@@ -26,7 +26,8 @@ def newcomer(tmp_path_factory):
     argvs = commands(text)
     assert [argv[1] for argv in argvs] == ["fit", "export", "export"], argvs
     for argv in argvs:
-        run(argv, work)
+        proc = run(argv, work)
+        assert warnings_in(proc.stderr) == [], proc.stderr  # TP=2 + SP, LoRA, exports: all quiet
     (code,) = code_blocks(text, "python")
     namespace, printed = {}, io.StringIO()
     cwd = os.getcwd()

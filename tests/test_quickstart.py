@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from readme import ROOT, clean_env, commands, run, section, user_dir
+from readme import ROOT, clean_env, commands, run, section, user_dir, warnings_in
 from test_throughput import counted_training_flops
 
 from lightning_mcore.quiet import HARMLESS
@@ -68,10 +68,6 @@ def test_console_counts_steps_and_the_whole_model(quickstart):
     assert params == model.num_parameters()
     model.config._attn_implementation = "eager"  # explicit matmuls over the full s x s scores
     assert flops == pytest.approx(counted_training_flops(model, 128), rel=1e-6)
-
-
-def warnings_in(text: str) -> list[str]:
-    return [line for line in text.splitlines() if re.search(r"\w*Warning\b|\.py:\d+: ", line)]
 
 
 def test_quickstart_prints_no_warning(quickstart):
