@@ -26,6 +26,9 @@ from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.strategy.parallel import LayoutError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no training code): "
+               "lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out "
+               "[--mode peft] [--overwrite]; see lightning-mcore export --help.")
 
 
 class MegatronCLI(LightningCLI):
@@ -36,6 +39,7 @@ class MegatronCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={"epilog": EXPORT_HELP},
             args=args,
             run=run,
             **kwargs,
