@@ -67,6 +67,22 @@ class MegatronCLI(LightningCLI):
                 strategy.validate_module(self.model)
             except LayoutError as error:
                 self._layout_error(error)
+        self._check_export_targets()
+
+    def _check_export_targets(self) -> None:
+        """A fresh `fit` whose HFExport would meet an earlier export stops here, not after its
+        workers have started (a resumed run checks once it knows its step: HFExport)."""
+        from lightning_mcore.callbacks.hf_export import HFExport
+        from lightning_mcore.hf.export_dir import ExportTargetError
+
+        if self.subcommand != "fit" or self._get(self.config, "ckpt_path"):
+            return
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, HFExport):
+                try:
+                    callback.check_targets(0, self.trainer.max_steps)
+                except ExportTargetError as error:
+                    self._error(f"trainer.callbacks (HFExport, dirpath={callback.dirpath}): {error}", error)
 
     # ------------------------------------------------------------------ errors
     def _error(self, message: str, cause: Optional[BaseException] = None) -> NoReturn:

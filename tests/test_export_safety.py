@@ -241,3 +241,23 @@ def test_plain_content_round_trips_and_truncation_is_named(tmp_path):
     (tmp_path / "cut.pt").write_bytes((tmp_path / "ok.pt").read_bytes()[:100])
     with pytest.raises(checkpoint_io.CheckpointLoadError, match="cut.pt cannot be read"):
         checkpoint_io.load_plain(tmp_path / "cut.pt")
+
+
+def test_fit_refuses_an_earlier_export_before_workers_start(tmp_path, capsys):
+    """The CLI finds the HFExport target of a rerun in the launching process: exit 2, one
+    `error:` line naming the callback and the directory, nothing written or removed."""
+    from lightning_mcore.cli import main
+
+    earlier = tmp_path / "hf" / "step=2"
+    earlier.mkdir(parents=True)
+    (earlier / "adapter_model.safetensors").write_bytes(b"x")
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.max_steps", "2",
+              "--trainer.logger", "false", "--trainer.callbacks+=lightning_mcore.HFExport",
+              f"--trainer.callbacks.dirpath={tmp_path / 'hf'}"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: trainer.callbacks (HFExport") and "step=2" in line, err[-2000:]
+    assert snapshot(tmp_path) == before
