@@ -67,25 +67,17 @@ class MegatronCLI(LightningCLI):
                 strategy.validate_module(self.model)
             except LayoutError as error:
                 self._layout_error(error)
-        self._check_outputs()
+        self._check_export_targets()
 
-    def _check_outputs(self) -> None:
-        """A fresh `fit` that would replace an earlier run's checkpoints or HF exports stops
-        here, before its workers start (a resumed run's HFExport checks once it knows its step)."""
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
+    def _check_export_targets(self) -> None:
+        """A fresh `fit` whose HFExport would meet an earlier export stops here, not after its
+        workers have started (a resumed run checks once it knows its step: HFExport)."""
         from lightning_mcore.callbacks.hf_export import HFExport
         from lightning_mcore.hf.export_dir import ExportTargetError
 
         if self.subcommand != "fit" or self._get(self.config, "ckpt_path"):
             return
         for callback in self.trainer.callbacks:
-            dirpath = getattr(callback, "dirpath", None)
-            if isinstance(callback, ModelCheckpoint) and dirpath and os.path.isdir(dirpath) and os.listdir(dirpath):
-                self._error(
-                    f"trainer.callbacks (ModelCheckpoint, dirpath={dirpath}): holds checkpoints of an "
-                    f"earlier run, which this run would replace; resume it with --ckpt_path last, or "
-                    f"choose a new dirpath (or remove the old one yourself).")
             if isinstance(callback, HFExport):
                 try:
                     callback.check_targets(0, self.trainer.max_steps)

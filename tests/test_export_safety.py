@@ -261,21 +261,3 @@ def test_fit_refuses_an_earlier_export_before_workers_start(tmp_path, capsys):
     line = err.strip().splitlines()[-1]
     assert line.startswith("error: trainer.callbacks (HFExport") and "step=2" in line, err[-2000:]
     assert snapshot(tmp_path) == before
-
-
-def test_fit_refuses_to_replace_an_earlier_runs_checkpoints(tmp_path, capsys):
-    from lightning_mcore.cli import main
-
-    ckpts = tmp_path / "ckpts"
-    (ckpts / "last.ckpt").mkdir(parents=True)
-    (ckpts / "last.ckpt" / "common.pt").write_bytes(b"weeks")
-    before = snapshot(tmp_path)
-    with pytest.raises(SystemExit) as info:
-        main(["fit", "--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.max_steps", "2",
-              "--trainer.logger", "false", "--trainer.enable_checkpointing", "true",
-              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-              f"--trainer.callbacks.dirpath={ckpts}", "--trainer.callbacks.save_last", "true"])
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert info.value.code == 2 and line.startswith("error: trainer.callbacks (ModelCheckpoint")
-    assert str(ckpts) in line and "--ckpt_path last" in line
-    assert snapshot(tmp_path) == before
