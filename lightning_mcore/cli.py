@@ -26,6 +26,9 @@ from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.strategy.parallel import LayoutError
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no training code): "
+               "lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out "
+               "[--mode peft] [--overwrite]; see lightning-mcore export --help.")
 
 
 class MegatronCLI(LightningCLI):
@@ -36,6 +39,7 @@ class MegatronCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={"epilog": EXPORT_HELP},
             args=args,
             run=run,
             **kwargs,
@@ -63,6 +67,22 @@ class MegatronCLI(LightningCLI):
                 strategy.validate_module(self.model)
             except LayoutError as error:
                 self._layout_error(error)
+        self._check_export_targets()
+
+    def _check_export_targets(self) -> None:
+        """A fresh `fit` whose HFExport would meet an earlier export stops here, not after its
+        workers have started (a resumed run checks once it knows its step: HFExport)."""
+        from lightning_mcore.callbacks.hf_export import HFExport
+        from lightning_mcore.hf.export_dir import ExportTargetError
+
+        if self.subcommand != "fit" or self._get(self.config, "ckpt_path"):
+            return
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, HFExport):
+                try:
+                    callback.check_targets(0, self.trainer.max_steps)
+                except ExportTargetError as error:
+                    self._error(f"trainer.callbacks (HFExport, dirpath={callback.dirpath}): {error}", error)
 
     def instantiate_trainer(self, **kwargs):
         """Our progress bar and model summary where the config left Lightning's defaults."""

@@ -19,3 +19,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """Tests that train in this very process (GPU tests with one device) leave Lightning's
+    default process group and mcore's parallel state behind; the next test that starts its own
+    would fail ("initialize the default process group twice"). Each test starts clean."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -9,18 +9,18 @@ written under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from lightning_mcore.atomic import replace_dir
+from lightning_mcore.hf.export_dir import check_target, staged_dir
 from lightning_mcore.hf.load import chunk_parameters, dims_of, parallel_ranks
 from lightning_mcore.hf.mappings import mapping, shape_symbols
 
@@ -108,9 +108,16 @@ def export_hf(
     padded_vocab: int,
     source_dir: Optional[os.PathLike] = None,
     max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+    tokenizer_dir: Optional[os.PathLike] = None,
+    protected: Iterable = (),
 ) -> Optional[Path]:
-    """Write an HF directory at `out_dir` (config, weights, tokenizer); returns it on rank 0."""
-    out_dir = Path(out_dir)
+    """Write an HF directory at `out_dir` (config, weights, tokenizer); returns it on rank 0.
+
+    `out_dir` must be new or empty, or (with `overwrite`) an earlier export (hf/export_dir.py);
+    it may not hold or sit inside `source_dir` or the `protected` paths. Tokenizer files come
+    from `source_dir`, else from `tokenizer_dir`."""
+    out_dir = check_target(out_dir, overwrite, [source_dir, *protected])
     rank = dist.get_rank() if dist.is_initialized() else 0
     items = _items(chunks, cfg, family)
     dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
@@ -126,11 +133,21 @@ def export_hf(
     plan = sorted((key, src, names, shapes, dt)
                   for src, lst in enumerate(everyone) for key, names, shapes, dt in lst)
 
-    tmp = None
-    if rank == 0:
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        writer = _ShardWriter(tmp, max_shard_bytes)
+    staging = staged_dir(out_dir, {"format": "transformers"}) if rank == 0 else contextlib.nullcontext()
+    with staging as tmp:
+        if rank == 0:
+            writer = _ShardWriter(tmp, max_shard_bytes)
+        _send_tensors(items, plan, rank, dims, writer if rank == 0 else None)
+        if rank == 0:
+            writer.finish()
+            _write_metadata(tmp, cfg, family, source_dir, items[0][1].dtype, tokenizer_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir if rank == 0 else None
+
+
+def _send_tensors(items, plan, rank: int, dims, writer: Optional[_ShardWriter]) -> None:
+    """Every owned tensor, in the plan's global order, into rank 0's writer."""
     own = iter(items)
     device = items[0][1].device if items else torch.device("cpu")
     for key, src, names, shapes, dt in (plan if rank == 0 else [(k, rank, None, None, None) for k, *_ in items]):
@@ -149,13 +166,6 @@ def export_hf(
                 buf = torch.empty(shape, dtype=getattr(torch, dt), device=device)
                 dist.recv(buf, src=src)
                 writer.add(name, buf)
-    if rank == 0:
-        writer.finish()
-        _write_metadata(tmp, cfg, family, source_dir, items[0][1].dtype)
-        replace_dir(tmp, out_dir)
-    if dist.is_initialized():
-        dist.barrier()
-    return out_dir if rank == 0 else None
 
 
 def _is_sender(expert: bool) -> bool:
@@ -164,7 +174,8 @@ def _is_sender(expert: bool) -> bool:
     return (ranks["etp"] if expert else ranks["tp"])[0] == 0
 
 
-def _write_metadata(directory: Path, cfg, family: str, source_dir, dtype: torch.dtype) -> None:
+def _write_metadata(directory: Path, cfg, family: str, source_dir, dtype: torch.dtype,
+                    tokenizer_dir=None) -> None:
     from lightning_mcore.hf.config import hf_config_dict_from_gpt
 
     source = Path(source_dir) if source_dir else None
@@ -174,7 +185,15 @@ def _write_metadata(directory: Path, cfg, family: str, source_dir, dtype: torch.
         config = hf_config_dict_from_gpt(cfg, family)
     config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = _DTYPE_NAMES[dtype]
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if source:
-        for name in ("generation_config.json",) + TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, directory / name)
+    copy_files(source, directory, ("generation_config.json",) + TOKENIZER_FILES)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        copy_files(tokenizer_dir, directory, TOKENIZER_FILES)
+
+
+def copy_files(source, directory: Path, names) -> None:
+    """Those of `names` that `source` (a directory, or None) has, copied into `directory`."""
+    if source is None or not Path(source).is_dir():
+        return
+    for name in names:
+        if (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, directory / name)

@@ -48,6 +48,7 @@ def export_checkpoint(
     source: Optional[str] = None,
     mode: Literal["merged", "peft"] = "merged",
     max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
 ) -> Path:
     """Write the model of a MegatronStrategy checkpoint as a Hugging Face directory.
 
@@ -58,8 +59,11 @@ def export_checkpoint(
             LoRA run, whose weights are the base); defaults to the one the run started from.
         mode: for a LoRA run, "merged" (full model, adapters merged) or "peft" (the adapter).
         max_shard_bytes: size limit of each ``model-0000N-of-0000M.safetensors`` shard.
+        overwrite: replace an earlier lightning-mcore export at ``output``; anything else
+            there (other files, the checkpoint itself) is never replaced.
     """
     from lightning_mcore.hf.export import export_hf
+    from lightning_mcore.hf.export_dir import check_target
     from lightning_mcore.hf.peft_export import export_peft
     from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
@@ -79,6 +83,8 @@ def export_checkpoint(
             f"{checkpoint} holds LoRA adapters only; its base ({base}) is not there: pass "
             f"--source with the HF directory the run started from."
         )
+    protected = [checkpoint, source, saved.hf_path, saved.init_checkpoint]
+    check_target(output, overwrite, protected)  # before any work; export_* check it again
     with single_process_megatron(), cuda_on_cpu():
         tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,
                                           on_cpu=True, use_te=False)
@@ -89,12 +95,14 @@ def export_checkpoint(
         checkpoint_io.load_model(checkpoint, chunks)
         if mode == "peft":
             export_peft(chunks, saved.config, saved.hf_family, LoRAConfig(**saved.lora), output,
-                        base_model=saved.hf_path)
+                        base_model=saved.hf_path, overwrite=overwrite, protected=protected,
+                        tokenizer_dir=source or saved.tokenizer_path)
         else:
             set_merged(chunks, True)
             export_hf(chunks, saved.config, saved.hf_family, output, saved.padded_vocab_size,
-                      source_dir=source, max_shard_bytes=max_shard_bytes)
-    return Path(output)
+                      source_dir=source, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                      tokenizer_dir=saved.tokenizer_path, protected=protected)
+    return Path(output).expanduser().resolve()
 
 
 def _load_base(chunks, saved, base) -> None:
@@ -107,15 +115,35 @@ def _load_base(chunks, saved, base) -> None:
         load_hf_weights(chunks, base, saved.config, saved.hf_family, saved.padded_vocab_size)
 
 
-def main(args=None) -> None:
-    from jsonargparse import CLI
+def describe(directory: Path) -> str:
+    """One line on what an export holds: its files and their total size."""
+    files = sorted(p for p in directory.iterdir() if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    return f"{directory} ({len(files)} files, {size / 2**20:.1f} MiB): " + ", ".join(p.name for p in files)
 
+
+def main(args=None) -> None:
+    import sys
+
+    from jsonargparse import ActionYesNo, ArgumentParser
+
+    from lightning_mcore.hf.config import HFCheckpointError
+    from lightning_mcore.hf.export_dir import ExportTargetError
     from lightning_mcore.strategy.checkpoint_io import CheckpointLoadError
 
+    parser = ArgumentParser(prog="lightning-mcore export", description=export_checkpoint.__doc__.split("\n")[0])
+    parser.add_function_arguments(export_checkpoint, skip={"overwrite"}, as_positional=False)
+    parser.add_argument("--overwrite", action=ActionYesNo, default=False,
+                        help="replace an earlier lightning-mcore export at --output; anything else "
+                             "there (other files, the checkpoint itself) is never replaced.")
+    config = parser.parse_args(args)
     try:
-        CLI(export_checkpoint, args=args, as_positional=False)
-    except CheckpointLoadError as error:  # a user mistake: the message, not a traceback
-        raise SystemExit(f"lightning-mcore export: error: {error}") from None
+        written = export_checkpoint(**{k: v for k, v in vars(config).items() if k != "config"})
+    except (CheckpointLoadError, ExportTargetError, HFCheckpointError) as error:
+        # a user mistake: one line and exit code 2, as `fit` ends on a config mistake
+        print(f"lightning-mcore export: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"lightning-mcore export: wrote {describe(written)}")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,14 @@ query group and linear_fc1's B into gate/up ([gate_i; up_i] per rank), all shari
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_mcore.atomic import replace_dir
+from lightning_mcore.hf.export import TOKENIZER_FILES, copy_files
+from lightning_mcore.hf.export_dir import check_target, staged_dir
 from lightning_mcore.hf.mappings import mapping
 from lightning_mcore.hf.transforms import Dims
 from lightning_mcore.model.lora import TARGETS, adapters_of, base_path, resolve_targets
@@ -61,13 +61,18 @@ def adapter_tensors(chunks, cfg, family: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_peft(chunks, cfg, family: str, lora, out_dir, base_model: Optional[str] = None) -> Optional[Path]:
+def export_peft(chunks, cfg, family: str, lora, out_dir, base_model: Optional[str] = None,
+                overwrite: bool = False, protected: Iterable = (),
+                tokenizer_dir=None) -> Optional[Path]:
     """Collective: every rank sends its stage's adapters to rank 0, which writes the directory
-    under a temporary name and renames it when complete."""
+    under a temporary name and renames it when complete. `out_dir` must be new or empty, or
+    (with `overwrite`) an earlier export, and not hold or sit inside `base_model`/`protected`.
+    The tokenizer files of `tokenizer_dir` (or of `base_model`) are copied along."""
     from megatron.core import parallel_state
     from peft import LoraConfig
     from safetensors.torch import save_file
 
+    out_dir = check_target(out_dir, overwrite, [base_model, *protected])
     mine = {}
     if parallel_state.get_data_parallel_rank() == 0:
         tensors = adapter_tensors(chunks, cfg, family)
@@ -80,16 +85,13 @@ def export_peft(chunks, cfg, family: str, lora, out_dir, base_model: Optional[st
             dist.barrier()
             return None
     tensors = {k: v for part in parts for k, v in part.items()}
-    out_dir = Path(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-peft"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     hf_targets = sorted({hf for t in resolve_targets(lora.target_modules) for hf in TARGETS[t][1]})
-    LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-               use_rslora=lora.use_rslora, target_modules=hf_targets, task_type="CAUSAL_LM",
-               base_model_name_or_path=str(base_model) if base_model else None).save_pretrained(tmp)
-    replace_dir(tmp, out_dir)
+    with staged_dir(out_dir, {"format": "peft"}) as tmp:
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                   use_rslora=lora.use_rslora, target_modules=hf_targets, task_type="CAUSAL_LM",
+                   base_model_name_or_path=str(base_model) if base_model else None).save_pretrained(tmp)
+        copy_files(tokenizer_dir or base_model, tmp, TOKENIZER_FILES)
     if dist.is_initialized():
         dist.barrier()
     return out_dir

@@ -42,9 +42,13 @@ class MegatronModule(L.LightningModule):
         # init_checkpoint: a MegatronStrategy checkpoint whose weights the model starts from.
         self.hf_path: Optional[str] = None
         self.init_checkpoint: Optional[str] = None
+        # tokenizer_path: the data's tokenizer directory, for exports of a model with no HF
+        # source (set from the datamodule at setup, kept in checkpoints).
+        self.tokenizer_path: Optional[str] = None
         if isinstance(model, (str, os.PathLike)) and checkpoint_io.is_checkpoint(model):
             saved = checkpoint_io.read_saved_model(model)
             self.init_checkpoint, self.hf_path, self.hf_family = str(model), saved.hf_path, saved.hf_family
+            self.tokenizer_path = saved.tokenizer_path
             self.model_config = dataclasses.replace(saved.config, **(model_overrides or {}))
         elif isinstance(model, (str, os.PathLike)):
             from lightning_mcore.hf.config import gpt_config_from_hf
@@ -77,6 +81,11 @@ class MegatronModule(L.LightningModule):
             )
         return strategy
 
+    def setup(self, stage: str) -> None:
+        tokenizer = getattr(getattr(self.trainer.datamodule, "hparams", None), "tokenizer", None)
+        if isinstance(tokenizer, (str, os.PathLike)) and os.path.isdir(tokenizer):
+            self.tokenizer_path = str(tokenizer)
+
     def configure_model(self) -> None:
         if self.chunks is not None:
             return
@@ -96,11 +105,14 @@ class MegatronModule(L.LightningModule):
             self.lora_trainable_parameters = trainable
         self.chunks = torch.nn.ModuleList(chunks)
 
-    def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30, mode: str = "full"):
+    def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30, mode: str = "full",
+                           overwrite: bool = False):
         """Write the model as a Hugging Face directory (collective: call on every rank).
 
         `mode`: "full" (the model as trained: with LoRA, adapters merged into a copy of the
-        weights), "merged" (the same, LoRA only) or "peft" (the LoRA adapter directory)."""
+        weights), "merged" (the same, LoRA only) or "peft" (the LoRA adapter directory).
+        `directory` must be new or empty; `overwrite` replaces an earlier export (never other
+        files: hf/export_dir.py)."""
         from lightning_mcore.hf.export import export_hf
         from lightning_mcore.model.lora import set_merged
 
@@ -111,15 +123,19 @@ class MegatronModule(L.LightningModule):
         strategy = self._strategy()
         chunks = list(self.chunks)
         padded = self.model_config.padded_vocab_size(strategy.parallel.tensor_model_parallel_size)
+        protected = [self.init_checkpoint]
         if mode == "peft":
             from lightning_mcore.hf.peft_export import export_peft
 
             return export_peft(chunks, self.model_config, self.hf_family, self.lora, directory,
-                               base_model=self.hf_path)
+                               base_model=self.hf_path, overwrite=overwrite, protected=protected,
+                               tokenizer_dir=self.tokenizer_path)
         set_merged(chunks, True)
         try:
             return export_hf(chunks, self.model_config, self.hf_family, directory, padded,
-                             source_dir=self.hf_path, max_shard_bytes=max_shard_bytes)
+                             source_dir=self.hf_path, max_shard_bytes=max_shard_bytes,
+                             overwrite=overwrite, tokenizer_dir=self.tokenizer_path,
+                             protected=protected)
         finally:
             set_merged(chunks, False)
 

@@ -132,7 +132,7 @@ def save(path: Path, common: dict, chunks, optimizer, rank: int,
     if options.save_rng:
         torch.save(rng_state(), tmp / f"rng_{rank}.pt")
     if rank == 0:
-        torch.save(common, tmp / COMMON)
+        torch.save(common, tmp / COMMON)  # check_plain(common) ran in strip_for_common
     state = sharded_state_dict(chunks, optimizer if options.save_optimizer else None, is_loading=False)
     request = dist_checkpointing.save(state, str(tmp / WEIGHTS), async_sharded_save=options.async_save)
 
@@ -161,7 +161,46 @@ def _load_common(path: Path) -> dict:
             f"ckpt_path {path} is not a MegatronStrategy checkpoint (expected a directory with "
             f"{COMMON} and {WEIGHTS}/)."
         )
-    return torch.load(path / COMMON, map_location="cpu", weights_only=False)
+    return load_plain(path / COMMON)
+
+
+def load_plain(file: Path) -> Any:
+    """A checkpoint file of tensors, plain containers and primitives. torch's weights-only
+    unpickler refuses anything else, so a crafted file cannot run code in this process."""
+    import pickle
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line]
+        reason = (lines[0] if lines else "unsupported content")[:200]
+        raise CheckpointLoadError(
+            f"{file} holds Python objects other than tensors and plain containers ({reason}); "
+            f"refusing to load it, as that could run arbitrary code. MegatronStrategy never "
+            f"writes such objects: this file was not written by lightning-mcore, or was changed."
+        ) from None
+    except (EOFError, RuntimeError, OSError) as error:
+        raise CheckpointLoadError(f"{file} cannot be read (truncated or corrupt?): {error}") from None
+
+
+def check_plain(obj: Any, where: str = "checkpoint") -> None:
+    """ValueError naming the first entry of `obj` that `load_plain` would refuse."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            check_plain(key, f"{where} (a key)")
+            check_plain(value, f"{where}[{key!r}]")
+    elif isinstance(obj, (list, tuple, set)):
+        for i, value in enumerate(obj):
+            check_plain(value, f"{where}[{i}]")
+    elif not isinstance(obj, _PLAIN):
+        raise ValueError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; checkpoints hold only "
+            f"tensors, plain containers and primitives (so that loading them runs no code): "
+            f"store it as one of those (e.g. str(path), dataclasses.asdict(config))."
+        )
+
+
+_PLAIN = (torch.Tensor, str, bytes, int, float, bool, type(None), torch.dtype, torch.device, torch.Size)
 
 
 @dataclass(frozen=True)
@@ -175,6 +214,7 @@ class SavedModel:
     padded_vocab_size: int  # embedding rows as saved (the vocab is padded per TP size)
     lora: Any = None  # LoRAConfig fields of a LoRA run (its checkpoint holds the adapters only)
     init_checkpoint: Any = None  # the checkpoint a fine-tuning run took its base weights from
+    tokenizer_path: Any = None  # the data's tokenizer directory (exports copy it), or None
 
 
 def read_saved_model(path) -> SavedModel:
@@ -184,7 +224,7 @@ def read_saved_model(path) -> SavedModel:
     config = GPTConfig(**extra["model_config"])
     return SavedModel(config, extra.get("hf_family"), extra.get("hf_path"),
                       getattr(torch, extra.get("dtype", "float32")), _saved_padded_vocab(extra, config),
-                      extra.get("lora"), extra.get("init_checkpoint"))
+                      extra.get("lora"), extra.get("init_checkpoint"), extra.get("tokenizer_path"))
 
 
 def _saved_padded_vocab(extra: dict, config) -> int:
@@ -254,11 +294,12 @@ def load_optimizer(path: Path, chunks, optimizer) -> None:
 def load_rng(path: Path, rank: int) -> None:
     file = Path(path) / f"rng_{rank}.pt"
     if file.is_file():
-        set_rng_state(torch.load(file, map_location="cpu", weights_only=False))
+        set_rng_state(load_plain(file))
 
 
 def strip_for_common(checkpoint: dict[str, Any], extra: dict) -> dict:
     common = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     common["megatron"] = extra
+    check_plain(common)
     return common
 

@@ -528,6 +528,7 @@ class MegatronStrategy(DDPStrategy):
             "saved_optimizer": optimizer is not None and self.checkpoint_options.save_optimizer,
             "hf_path": getattr(module, "hf_path", None),
             "init_checkpoint": getattr(module, "init_checkpoint", None),
+            "tokenizer_path": getattr(module, "tokenizer_path", None),
             "lora": dataclasses.asdict(module.lora) if getattr(module, "lora", None) else None,
             "dtype": str(self.dtype).removeprefix("torch."),
         }

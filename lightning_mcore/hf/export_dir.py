@@ -1,0 +1,94 @@
+"""Where an export may land: never over something this library did not write.
+
+An export directory carries MARKER, a small JSON note of what wrote it. An existing target is
+used only when it is empty, or replaced when the caller asks for `overwrite` *and* it carries
+the marker; a file, a directory of someone else's files, or a directory holding (or held by)
+the checkpoint or HF model being exported from is refused, with or without `overwrite`.
+
+The directory is written under a temporary sibling name and renamed into place when complete
+(atomic.replace_dir); a failure removes the temporary directory, which holds only what this
+export wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import torch.distributed as dist
+
+from lightning_mcore.atomic import replace_dir
+
+MARKER = "lightning_mcore_export.json"
+
+
+class ExportTargetError(ValueError):
+    """The export's output path holds something that must not be replaced."""
+
+
+def target_problem(output, overwrite: bool = False, protected: Iterable = ()) -> Optional[str]:
+    """Why `output` may not be written (a sentence naming it and the fix), or None."""
+    out = Path(output).expanduser().resolve()  # ".", "..", symlinks: the real directory
+    for keep in protected:
+        if keep is None:
+            continue
+        keep = Path(keep).expanduser().resolve()
+        if out == keep or keep in out.parents or out in keep.parents:
+            relation = "is" if out == keep else "is inside" if keep in out.parents else "contains"
+            return (f"output {output} {relation} {keep}, which this export reads from; "
+                    f"choose an output directory outside it.")
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        return (f"output {output} is the current directory or holds it, and an export replaces "
+                f"its output as a whole; choose a subdirectory (e.g. {Path(output) / 'hf'}).")
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"output {output} exists and is not a directory; choose another output path."
+    if not any(out.iterdir()):
+        return None
+    if not overwrite:
+        return (f"output {output} exists and is not empty; choose a new directory, or pass "
+                f"overwrite (--overwrite) to replace an earlier lightning-mcore export.")
+    if not (out / MARKER).is_file():
+        return (f"output {output} is not a lightning-mcore export (it has no {MARKER}), so it is "
+                f"never replaced, even with overwrite; choose another output directory.")
+    return None
+
+
+def check_target(output, overwrite: bool = False, protected: Iterable = ()) -> Path:
+    """The absolute output path, or ExportTargetError. Collective inside a distributed run:
+    global rank 0 looks (it is the rank that writes) and every rank gets its verdict."""
+    protected = list(protected)
+    problem = target_problem(output, overwrite, protected)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        problem = verdict[0]
+    if problem:
+        raise ExportTargetError(problem)
+    return Path(output).expanduser().resolve()
+
+
+@contextlib.contextmanager
+def staged_dir(output: Path, note: dict) -> Iterator[Path]:
+    """A fresh temporary sibling of `output` to write into. On success MARKER (with `note`) is
+    added, files are made world-readable, and the directory replaces `output`; on any error it
+    is removed. Call `check_target` first."""
+    output = Path(output)
+    tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        (tmp / MARKER).write_text(json.dumps({"written_by": "lightning-mcore", **note}, indent=2))
+        for path in [tmp, *tmp.rglob("*")]:
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        replace_dir(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
