@@ -51,7 +51,7 @@ def check_text_field(path: str, text_field: str) -> None:
         return
     columns, records = found
     if not records:
-        raise ValueError(f"{path!r} holds no records (the file is empty)")
+        raise ValueError(f"{path!r} holds no records (it is empty)")
     if text_field not in columns:
         raise ValueError(
             f"field {text_field!r} not found in {path}; columns found: {columns}; "
@@ -154,7 +154,7 @@ def records_of(paths: Sequence[str]) -> list[tuple[str, list[str], list[dict]]]:
                 continue
             columns, records = found
             if not records:
-                raise ValueError(f"{file!r} holds no records (the file is empty)")
+                raise ValueError(f"{file!r} holds no records (it is empty)")
             out.append((file, columns, records))
     return out
 
