@@ -9,27 +9,31 @@ Config mistakes end with `error: ...` naming the key and exit code 2, without a 
 unknown keys and wrong types (jsonargparse), parallel layouts that cannot work with the world
 size or the model's shape (checked here, before `fit` starts any process), and invalid values
 refused by the library's own classes while they are built (e.g. a model path that is not an
-HF directory, LoRA rank 0).
+HF directory, LoRA rank 0, a data file without the fields its format needs). Also checked here:
+the data's seq_length against the model's, the precision, the HF weights' file headers and
+`--ckpt_path` (a checkpoint directory of this very model).
+
+What can only fail once the ranks run (a damaged checkpoint shard, a text shorter than one
+sequence) ends with one `error: ...` line from rank 0 and exit code 1 (refusals.py).
 """
 
 from __future__ import annotations
 
-import linecache
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.refusals import deliberate, report_refusals, traceback_frames
 from lightning_mcore.strategy.parallel import LayoutError
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no training code): "
                "lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out "
                "[--mode peft] [--overwrite]; see lightning-mcore export --help.")
-
 
 class MegatronCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
@@ -93,10 +97,120 @@ class MegatronCLI(LightningCLI):
         given = given if isinstance(given, list) else [given]
         return super().instantiate_trainer(**default_console(options, given), **kwargs)
 
+    def parse_arguments(self, parser, args) -> None:
+        """Parse, then refuse a `ckpt_path` that is not a checkpoint directory (Lightning would
+        otherwise read a file given there as one of its own checkpoints) and a checkpoint given
+        as `model` whose common.pt cannot be read (the module reads it while it is built)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        from lightning_mcore.strategy import checkpoint_io
+
+        path = self.config[subcommand].get("ckpt_path")
+        if _is_path(path) and not Path(path).exists():
+            self._error(f"ckpt_path={path} does not exist.", subcommand=subcommand)
+        if _is_path(path) and not checkpoint_io.is_checkpoint(path):
+            self._error(f"ckpt_path={path} is not a MegatronStrategy checkpoint (a directory holding "
+                        f"common.pt and weights/, e.g. runs/x/checkpoints/last.ckpt).", subcommand=subcommand)
+        source = self.config[subcommand].get("model.init_args.model")
+        if isinstance(source, (str, os.PathLike)) and checkpoint_io.is_checkpoint(source):
+            self._read_checkpoint(f"model.init_args.model={source}", Path(source),
+                                  checkpoint_io.read_saved_model, subcommand)
+
+    def after_instantiate_classes(self) -> None:
+        """What the built objects can still tell before any worker starts: the precision, the
+        data's row length against the model's (and the model's against its HF config), the HF
+        weights' files and that a checkpoint to resume holds this model."""
+        from lightning_mcore.strategy import checkpoint_io
+        from lightning_mcore.strategy.megatron import MegatronStrategy
+
+        strategy, module = self.trainer.strategy, self.model
+        if not isinstance(strategy, MegatronStrategy) or not isinstance(module, MegatronModule):
+            return
+        try:
+            strategy.dtype
+        except ValueError as error:
+            self._error(f"trainer.precision={self._get(self.config, 'trainer').get('precision')}: {error}")
+        self._check_seq_length(module)
+        self._check_hf_source(module)
+        path = self._get(self.config, "ckpt_path") if self.subcommand else None
+        if _is_path(path):
+            tp = strategy.parallel.tensor_model_parallel_size
+            self._read_checkpoint(f"ckpt_path={path}", Path(path),
+                                  lambda p: checkpoint_io.read_common(p, module.model_config, tp))
+
+    def _check_seq_length(self, module: MegatronModule) -> None:
+        data = getattr(getattr(self, "datamodule", None), "hparams", None) or {}
+        rows, model = data.get("seq_length"), module.model_config.seq_length
+        if isinstance(rows, int) and rows > model:
+            self._error(
+                f"data.init_args.seq_length={rows} is longer than the model's seq_length "
+                f"({self._model_key('seq_length', model)}): rows longer than the model are not "
+                f"computed as configured. Set data.init_args.seq_length <= {model}, or raise the "
+                f"model's seq_length (model.init_args.model_overrides.seq_length for an HF model)."
+            )
+
+    def _check_hf_source(self, module: MegatronModule) -> None:
+        """The HF directory behind the model: every safetensors file it will read is there with
+        a complete header; a model fine-tuned from one of our checkpoints still fits its
+        config.json (seq_length within max_position_embeddings and a sliding window)."""
+        from lightning_mcore.hf.checkpoint import CheckpointError, open_safetensors, weight_map
+        from lightning_mcore.hf.config import HFCheckpointError, gpt_config_from_hf
+
+        source = module.hf_path
+        if source is None or not Path(source).is_dir():
+            return
+        key = f"model.init_args.model={module.init_checkpoint or source}"
+        try:
+            if module.init_checkpoint is not None:
+                gpt_config_from_hf(source, seq_length=module.model_config.seq_length)
+                return
+            for file in sorted(set(weight_map(Path(source)).values())):
+                with open_safetensors(file):
+                    pass
+        except (CheckpointError, HFCheckpointError) as error:
+            self._error(f"{key}: {error}", error)
+
+    def _read_checkpoint(self, key: str, path: Path, read, subcommand: Optional[str] = None) -> None:
+        """`read(path)` (checkpoint_io's), its refusal or any failure to read common.pt as an
+        error naming `key`."""
+        from lightning_mcore.strategy import checkpoint_io
+
+        try:
+            read(path)
+        except checkpoint_io.CheckpointLoadError as error:  # its message names the path
+            named = str(error).startswith(key.split("=")[0])
+            self._error(str(error) if named else f"{key}: {error}", error, subcommand)
+        except Exception as error:  # noqa: BLE001 - an unreadable file, whatever torch.load says
+            self._error(f"{key}: {path / checkpoint_io.COMMON} cannot be read ({type(error).__name__}: "
+                        f"{error}); the checkpoint is incomplete or damaged.", error, subcommand)
+
+    # ------------------------------------------------------------------ run
+    # LightningCLI runs `self.<subcommand>` where the CLI defines one.
+    def fit(self, **kwargs: Any) -> None:
+        report_refusals(self.trainer, self.trainer.fit, **kwargs)
+
+    def validate(self, **kwargs: Any) -> None:
+        report_refusals(self.trainer, self.trainer.validate, **kwargs)
+
+    def test(self, **kwargs: Any) -> None:
+        report_refusals(self.trainer, self.trainer.test, **kwargs)
+
+    def predict(self, **kwargs: Any) -> None:
+        report_refusals(self.trainer, self.trainer.predict, **kwargs)
+
     # ------------------------------------------------------------------ errors
-    def _error(self, message: str, cause: Optional[BaseException] = None) -> NoReturn:
-        """`error: message` with the (sub)command's usage on stderr, exit code 2."""
-        self._parser(self.subcommand).error(message, cause)
+    def _error(self, message: str, cause: Optional[BaseException] = None,
+               subcommand: Optional[str] = None) -> NoReturn:
+        """`error: message` on stderr, exit code 2. A value the parser took but the run cannot
+        use: a pointer to --help, not the 50-line usage that would bury the message."""
+        parser = self._parser(subcommand or self.subcommand)
+        if not parser.exit_on_error:
+            parser.error(message, cause)
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"tip: the options are listed by: {prog} --help\nerror: {message}\n")
+        raise SystemExit(2)
 
     def _layout_error(self, error: LayoutError) -> NoReturn:
         keys = self._layout_keys(error)
@@ -121,21 +235,29 @@ class MegatronCLI(LightningCLI):
             optim = getattr(getattr(self, "model", None), "optim", None)
             keys.append(f"model.init_args.optim.optimizer={getattr(optim, 'optimizer', None)}")
         model_config = getattr(getattr(self, "model", None), "model_config", None)
+        for field in error.fields:
+            keys.append(self._model_key(field, getattr(model_config, field, None)))
+        return keys
+
+    def _model_key(self, field: str, value: Any) -> str:
+        """`key=value` of a model config field: where the config sets it."""
         model = self._get(self.config, "model")
         init_args = (model.get("init_args") if model is not None else None) or {}
         source, overrides = init_args.get("model"), init_args.get("model_overrides") or {}
-        for field in error.fields:
-            value = getattr(model_config, field, None)
-            if field in overrides:
-                keys.append(f"model.init_args.model_overrides.{field}={value}")
-            elif isinstance(source, (str, os.PathLike)):
-                keys.append(f"model.init_args.model={source} ({field}={value} in it)")
-            else:
-                keys.append(f"model.init_args.model.{field}={value}")
-        return keys
+        if field in overrides:
+            return f"model.init_args.model_overrides.{field}={value}"
+        if isinstance(source, (str, os.PathLike)):
+            return f"model.init_args.model={source} ({field}={value} in it)"
+        return f"model.init_args.model.{field}={value}"
 
 
 _MISSING = object()
+
+
+def _is_path(ckpt_path: Any) -> bool:
+    """A ckpt_path naming a directory, not one Lightning resolves itself ("last", "best", ...)."""
+    return ckpt_path is not None and str(ckpt_path) not in ("last", "best", "hpc") \
+        and not str(ckpt_path).startswith("registry")
 
 
 def _strategy_value(strategy: Any, option: str) -> Any:
@@ -162,17 +284,15 @@ def _config_error_source(error: BaseException) -> Optional[str]:
     """Where an invalid value was refused, as a config key (`model`, `data.init_args`, ...),
     when `error` is a ValueError/TypeError/OSError that this library's code raised on purpose
     while the classes were built; None for anything else (a bug: keep its traceback)."""
-    if not isinstance(error, (ValueError, TypeError, OSError)):
+    if not isinstance(error, (ValueError, TypeError, OSError)) or not deliberate(error):
         return None
-    frames, tb, tb_last = [], error.__traceback__, None
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb_last, tb = tb, tb.tb_next
-    if not frames or not os.path.abspath(frames[-1].f_code.co_filename).startswith(_PACKAGE_DIR):
-        return None
-    # A deliberate refusal (`raise ...Error(...)` in our code), not an accident (a bug).
-    if not linecache.getline(frames[-1].f_code.co_filename, tb_last.tb_lineno).lstrip().startswith("raise"):
-        return None
+    return _owner_key(error)
+
+
+def _owner_key(error: BaseException) -> Optional[str]:
+    """The config key of the innermost object of ours that `error` passed through, e.g.
+    `data (SFTDataModule)`; None when there is none."""
+    frames = [frame for frame, _ in traceback_frames(error)]
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.loggers import Logger
     from lightning.pytorch.strategies import Strategy

@@ -1,11 +1,13 @@
 """Every config in configs/ parses and instantiates (trainer, strategy, module with its GPTConfig,
 data module) short of building the model, and its parallel layout fits the model's shape and the
 world size. GPU configs run here with `--trainer.accelerator cpu` (same devices); HF model paths
-point at stub directories holding the real models' config.json (no weights) and the bundled
-tokenizer; data paths at the bundled samples. Config mistakes (unknown key, wrong type, a layout
-that cannot work, a missing model directory) end with a message naming the key, exit code 2 and
-no traceback, before any process starts."""
+point at stub directories holding the real models' config.json (no weights: a model.safetensors
+without tensors) and the bundled tokenizer (with a chat template, as the real ones have); data
+paths at the bundled samples. Config mistakes (unknown key, wrong type, a layout that cannot work,
+a missing model directory) end with a message naming the key, exit code 2 and no traceback,
+before any process starts."""
 
+import json
 import os
 import re
 import shutil
@@ -14,8 +16,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import yaml
+from safetensors.torch import save_file
 
 from lightning_mcore.cli import MegatronCLI
+from lightning_mcore.data.chat import CHATML
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
@@ -85,6 +89,11 @@ def hf_stubs(tmp_path_factory):
         getattr(transformers, config_class)(**values).save_pretrained(directory)
         for file in TOKENIZER.iterdir():
             shutil.copy(file, directory / file.name)
+        save_file({}, directory / "model.safetensors")  # a complete header, no tensors
+        # The real instruct models' tokenizers carry a chat template (the configs rely on it).
+        tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+        tokenizer_config["chat_template"] = CHATML
+        (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
         dirs[placeholder] = str(directory)
     return dirs
 

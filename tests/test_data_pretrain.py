@@ -210,11 +210,10 @@ def test_text_shorter_than_one_sequence(tmp_path, tok):
 
 def test_missing_text_field_names_field_and_columns(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x", "id": 1}) + "\n")
-    dm = make(tmp_path, paths=str(tmp_path / "d.jsonl"))
-    with pytest.raises(
+    with pytest.raises(  # at construction: the first record shows it
         ValueError, match=r"field 'text' not found.*columns found: \['body', 'id'\]"
     ):
-        dm.setup("fit")
+        make(tmp_path, paths=str(tmp_path / "d.jsonl"))
 
 
 def test_paths_and_indexed_prefixes_exclude_each_other(tmp_path):

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from lightning_mcore.data import peek
 from lightning_mcore.data.chat import (
     ChatFormat,
     resolve_template,
@@ -33,8 +34,10 @@ from lightning_mcore.data.packing import efficiency
 from lightning_mcore.data.sft import (
     SFTRows,
     check_options,
+    check_template,
     load_records,
     map_cached,
+    naming_files,
     split_samples,
 )
 
@@ -187,6 +190,8 @@ class DPODataModule(DataParallelDataModule):
         check_options(self.paths, seq_length, val_split, tokenizer)
         self.save_hyperparameters()
         self.stats: dict[str, Any] = {}
+        check_template(self, chat_template)
+        peek.check_records(self.paths, lambda names: PairFormat.detect(names, columns, roles).read)
 
     def prepare_data(self) -> None:
         """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
@@ -208,16 +213,17 @@ class DPODataModule(DataParallelDataModule):
         features["dropped"] = datasets.Value("string")
         how = [sorted(pairs.names.items()), sorted(pairs.chat.names.items())]
         how.append(sorted(pairs.chat.roles.items()))
-        return map_cached(
-            records,
-            _tokenize_batch,
-            features,
-            key=("dpo", self.tokenizer, template, how),
-            fn_kwargs={"tokenizer": self.tokenizer, "pairs": pairs, "template": template},
-            num_proc=hp.num_proc,
-            cache_dir=hp.cache_dir,
-            desc="Tokenizing preference pairs",
-        )
+        with naming_files(self.paths):
+            return map_cached(
+                records,
+                _tokenize_batch,
+                features,
+                key=("dpo", self.tokenizer, template, how),
+                fn_kwargs={"tokenizer": self.tokenizer, "pairs": pairs, "template": template},
+                num_proc=hp.num_proc,
+                cache_dir=hp.cache_dir,
+                desc="Tokenizing preference pairs",
+            )
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:

@@ -7,13 +7,14 @@ batch of one optimizer step, read from ``trainer.strategy.data_parallel_batch_si
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from lightning_mcore.data import preprocess
+from lightning_mcore.data import peek, preprocess
 from lightning_mcore.data.feeding import DataParallelDataModule
 
 
@@ -118,6 +119,11 @@ class PretrainDataModule(DataParallelDataModule):
         self.files = preprocess.resolve_files(paths) if paths is not None else None
         self.indexed_prefixes = list(indexed_prefixes) if indexed_prefixes is not None else None
         preprocess.tokenizer_dir(tokenizer)  # fail now, not after the trainer has started
+        for file in self.files or ():
+            if preprocess.BUILDERS[os.path.splitext(file)[1].lower()] == "text":
+                peek.check_has_text(file)
+            else:
+                peek.check_text_field(file, text_field)
         self.train_dataset: Optional[Dataset] = None
         self.val_dataset: Optional[Dataset] = None
         self._resume = (0, 0)  # (consumed_samples, global_step) restored from a checkpoint

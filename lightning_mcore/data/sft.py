@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 from collections import Counter
+from contextlib import contextmanager
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import Dataset
 
-from lightning_mcore.data import preprocess
+from lightning_mcore.data import peek, preprocess
 from lightning_mcore.data.chat import (
     ChatFormat,
     drop_reason,
@@ -104,6 +105,10 @@ class SFTDataModule(DataParallelDataModule):
             raise ValueError(f"truncation must be one of {TRUNCATION}")
         self.save_hyperparameters()
         self.stats: dict[str, Any] = {}
+        check_template(self, chat_template)
+        peek.check_records(
+            self.paths, lambda names: ChatFormat.detect(names, format, columns, roles).read
+        )
 
     def prepare_data(self) -> None:
         """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
@@ -114,9 +119,10 @@ class SFTDataModule(DataParallelDataModule):
         records = load_records(self.paths, hp.cache_dir)
         chat = ChatFormat.detect(records.column_names, hp.format, hp.columns, hp.roles)
         records = records.select_columns(chat.record_columns)
-        return tokenize_records(
-            records, self.tokenizer, chat, hp.chat_template, hp.num_proc, hp.cache_dir
-        )
+        with naming_files(self.paths):
+            return tokenize_records(
+                records, self.tokenizer, chat, hp.chat_template, hp.num_proc, hp.cache_dir
+            )
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_dataset is not None:
@@ -164,6 +170,26 @@ def check_options(paths: Sequence[str], seq_length: Any, val_split: float, token
         if not os.path.isdir(os.path.expanduser(path)):
             conversation_files(path)
     preprocess.tokenizer_dir(tokenizer)
+
+
+def check_template(module: Any, chat_template: Optional[str]) -> None:
+    """Refuse a tokenizer without a chat template when none is given, naming the tokenizer."""
+    if chat_template is None:
+        try:
+            resolve_template(module.tokenizer)
+        except ValueError as err:
+            raise ValueError(f"tokenizer {module.hparams.tokenizer!r}: {err}") from None
+
+
+@contextmanager
+def naming_files(paths: Sequence[str]):
+    """A sample's error (``sample N: ...``, raised while tokenizing) names the data files too."""
+    try:
+        yield
+    except ValueError as err:
+        if not str(err).startswith("sample "):
+            raise
+        raise ValueError(f"{', '.join(paths)}: {err}") from None
 
 
 def conversation_files(path: str) -> list[str]:

@@ -7,12 +7,12 @@ model. Single-file (`model.safetensors`) and sharded (`model.safetensors.index.j
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -20,6 +20,21 @@ SINGLE = "model.safetensors"
 
 class CheckpointError(ValueError):
     """An HF checkpoint directory that cannot be read as asked; the message names the file."""
+
+
+@contextmanager
+def open_safetensors(path: Path):
+    """safe_open(path), or a CheckpointError naming the file when its header is unreadable
+    (a truncated download: safetensors checks that the header covers the whole file)."""
+    try:
+        handle = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(
+            f"{path} cannot be read ({error}): the file is incomplete or damaged; download or "
+            f"copy it again."
+        ) from None
+    with handle as f:
+        yield f
 
 
 def weight_map(directory: Path) -> dict[str, Path]:
@@ -36,7 +51,7 @@ def weight_map(directory: Path) -> dict[str, Path]:
             )
         return {name: files[f] for name, f in names.items()}
     if (directory / SINGLE).is_file():
-        with safe_open(directory / SINGLE, framework="pt") as f:
+        with open_safetensors(directory / SINGLE) as f:
             return {name: directory / SINGLE for name in f.keys()}
     raise CheckpointError(
         f"{directory} has neither {SINGLE} nor {INDEX}: not a safetensors checkpoint."
@@ -63,7 +78,7 @@ class SafetensorsReader:
             raise CheckpointError(f"tensor {name!r} is not in the checkpoint {self.directory}.")
         path = self.files[name]
         if path not in self._open:
-            self._open[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+            self._open[path] = self._stack.enter_context(open_safetensors(path))
         return self._open[path].get_slice(name)
 
     def shape(self, name: str) -> tuple:

@@ -124,8 +124,9 @@ def gpt_config_from_hf(
 ) -> tuple[GPTConfig, str]:
     """(GPTConfig, family) for a checkpoint directory or a config.json dict.
 
-    `seq_length` defaults to min(max_position_embeddings, 4096); `overrides` replace any
-    GPTConfig field afterwards (e.g. transformer_impl, recompute_granularity).
+    `seq_length` defaults to min(max_position_embeddings, 4096) and may not exceed it (nor a
+    sliding window); `overrides` replace any GPTConfig field afterwards (e.g. transformer_impl,
+    recompute_granularity). Inputs longer than seq_length are refused where they enter.
     """
     if isinstance(path_or_dict, dict):
         hf, source = path_or_dict, "config"
@@ -144,6 +145,9 @@ def gpt_config_from_hf(
         refuse("mlp_bias", "MLP biases are not supported.")
 
     seq_length = seq_length or min(hf["max_position_embeddings"], DEFAULT_SEQ_LENGTH_CAP)
+    if seq_length > hf["max_position_embeddings"]:
+        refuse("max_position_embeddings", f"seq_length={seq_length} (model_overrides) is longer "
+               f"than the model was built for; use seq_length <= {hf['max_position_embeddings']}.")
     if arch.sliding_window == "flag" and hf.get("use_sliding_window"):
         refuse("use_sliding_window", "sliding-window attention is not supported.")
     window = hf.get("sliding_window") if arch.sliding_window == "if_set" else None

@@ -164,6 +164,13 @@ class MegatronModule(L.LightningModule):
         """Greedy continuation of one prompt, without a KV cache (each token re-runs the
         whole sequence): for checks and demos, not serving. Collective: call on every rank;
         every rank returns the same tokens. Stops after any token in `stop`."""
+        limit = self.model_config.seq_length
+        if len(prompt) + max_new_tokens > limit:
+            raise ValueError(
+                f"generate: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) is "
+                f"longer than the model's seq_length={limit}; use at most "
+                f"{max(limit - len(prompt), 0)} new tokens or a shorter prompt."
+            )
         tokens = list(prompt)
         for _ in range(max_new_tokens):
             logits = self._strategy().forward_logits(torch.tensor([tokens]))

@@ -258,11 +258,28 @@ def read_common(path: Path, model_config, tensor_parallel_size: int = 1) -> dict
     return common
 
 
-def load_model(path: Path, chunks) -> None:
+def _load_sharded(state: dict, path: Path) -> dict:
+    """dist_checkpointing.load, with a damaged shard (every rank learns of any rank's failure)
+    reported as a CheckpointLoadError naming the checkpoint."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    try:
+        return dist_checkpointing.load(state, str(Path(path) / WEIGHTS))
+    except CheckpointException as error:
+        failures = getattr(error, "failures", {}) or {}
+        first = next(iter(failures.values()), None)
+        first = first[0] if isinstance(first, tuple) else first
+        what = f"{type(first).__name__}: {first}".rstrip(": ") if first is not None else str(error)
+        raise CheckpointLoadError(
+            f"{Path(path) / WEIGHTS} cannot be read (on rank(s) {sorted(failures)}: {what}): a "
+            f"shard file is truncated or damaged; use another checkpoint."
+        ) from None
+
+
+def load_model(path: Path, chunks) -> None:
     state = model_sharded_state_dict(chunks)
-    loaded = dist_checkpointing.load(state, str(Path(path) / WEIGHTS))
+    loaded = _load_sharded(state, path)
     for key, chunk in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
         model = getattr(chunk, "module", chunk)
         adapters_only = getattr(model, "lora", None) is not None
@@ -273,7 +290,6 @@ def load_model(path: Path, chunks) -> None:
 
 
 def load_optimizer(path: Path, chunks, optimizer) -> None:
-    from megatron.core import dist_checkpointing
     from megatron.core.optimizer import distrib_optimizer
 
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -287,7 +303,7 @@ def load_optimizer(path: Path, chunks, optimizer) -> None:
         )
     model_state = model_sharded_state_dict(chunks)
     state = {"optimizer": optimizer.sharded_state_dict(model_state, is_loading=True, metadata=OPTIM_METADATA)}
-    loaded = dist_checkpointing.load(state, str(Path(path) / WEIGHTS))
+    loaded = _load_sharded(state, path)
     optimizer.load_state_dict(loaded["optimizer"])
 
 

@@ -264,6 +264,7 @@ class MegatronStrategy(DDPStrategy):
         from megatron.core import tensor_parallel
 
         self._refuse_context_parallel("forward_logits (generation, predict)")
+        self.check_sequence_length(tokens.shape[-1], "forward_logits (generation, predict): token rows")
         tokens = tokens.to(self.root_device)
         rows, seq = tokens.shape
         if position_ids is None:
@@ -293,6 +294,17 @@ class MegatronStrategy(DDPStrategy):
         rows, seq = next(iter(batch.values())).shape[:2]
         return self._forward_only(micro, forward_step, chunks, self._schedule_shape(seq, packed),
                                   (rows, width))
+
+    def check_sequence_length(self, seq: int, what: str) -> None:
+        """Refuse sequences longer than the model's seq_length: beyond it the model computes
+        something else than it was configured for (positions past max_position_embeddings,
+        attention wider than a sliding window) without any error."""
+        config = getattr(self.lightning_module, "model_config", None)
+        if config is not None and seq > config.seq_length:
+            raise ValueError(
+                f"{what} have {seq} tokens, more than the model's seq_length={config.seq_length}: "
+                f"shorten them (or raise the model's seq_length, where the model allows it)."
+            )
 
     def _refuse_context_parallel(self, what: str) -> None:
         if self.parallel.context_parallel_size > 1:
@@ -425,6 +437,8 @@ class MegatronStrategy(DDPStrategy):
     # ---------------------------------------------------------------- steps
     def split_microbatches(self, batch: dict) -> list[dict]:
         rows = next(iter(batch.values())).shape[0]
+        if "tokens" in batch:
+            self.check_sequence_length(batch["tokens"].shape[-1], "batch rows")
         mbs = self.batch.micro_batch_size
         if rows % mbs:
             raise ValueError(

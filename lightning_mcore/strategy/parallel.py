@@ -240,6 +240,15 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
             f"({model.num_moe_experts}). Use an expert-parallel size that divides it.",
             options=("expert_model_parallel_size",), fields=("num_moe_experts",),
         )
+    if model.num_moe_experts and tp > 1 and not p.sequence_parallel:
+        # mcore's MoELayer raises this in its first training forward, inside every rank.
+        raise LayoutError(
+            f"a MoE model (num_moe_experts={model.num_moe_experts}) with "
+            f"tensor_model_parallel_size={tp} needs sequence_parallel=True (mcore's MoE layer "
+            f"refuses tensor parallelism without it). Set sequence_parallel=True, or "
+            f"tensor_model_parallel_size=1 (expert_model_parallel_size splits the experts).",
+            options=("sequence_parallel", "tensor_model_parallel_size"), fields=("num_moe_experts",),
+        )
     if p.context_parallel_size > 1 and model.seq_length % (2 * p.context_parallel_size):
         raise LayoutError(
             f"seq_length ({model.seq_length}) must be divisible by 2 x context_parallel_size "
