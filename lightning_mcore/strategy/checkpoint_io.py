@@ -180,7 +180,9 @@ def load_plain(file: Path) -> Any:
             f"writes such objects: this file was not written by lightning-mcore, or was changed."
         ) from None
     except (EOFError, RuntimeError, OSError) as error:
-        raise CheckpointLoadError(f"{file} cannot be read (truncated or corrupt?): {error}") from None
+        detail = (str(error).splitlines() or [""])[0]
+        raise CheckpointLoadError(f"{file} cannot be read ({type(error).__name__}: {detail}); the "
+                                  f"checkpoint is incomplete or damaged.") from None
 
 
 def check_plain(obj: Any, where: str = "checkpoint") -> None:
