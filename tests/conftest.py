@@ -1,4 +1,5 @@
 import os
+from unittest import mock
 
 # Ranks are forked from this process. An OpenMP pool with >1 thread in the parent deadlocks
 # forked children (seen in torch.zeros), and Lightning raises the thread count unless
@@ -22,11 +23,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _no_process_group_left_behind():
-    """Tests that train in this very process (GPU tests with one device) leave Lightning's
-    default process group and mcore's parallel state behind; the next test that starts its own
-    would fail ("initialize the default process group twice"). Each test starts clean."""
-    yield
+def _each_test_starts_clean():
+    """What a test leaves in this process, later tests' forked ranks would inherit:
+    - the environment: an in-process CLI call seeds (PL_GLOBAL_SEED, which Lightning's ranks
+      re-seed from) and a launch sets MASTER_PORT / WORLD_SIZE; it is restored after each test;
+    - a default process group and mcore's parallel state, left by tests that train in this very
+      process (GPU tests with one device): the next test that starts its own would fail
+      ("initialize the default process group twice"). They are torn down."""
+    with mock.patch.dict(os.environ):
+        yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
