@@ -49,33 +49,30 @@ class RecordOptimizer(L.Callback):
             self.out.write_text(json.dumps(self.rows))
 
 
-def train(tmp: Path, name: str, settings: OptimizerSettings, max_steps: int, ckpt_path=None) -> list:
+def train(tmp: Path, name: str, settings: OptimizerSettings, max_steps: int, ckpt_path=None,
+          accelerator="cpu", precision="32-true", config=None, **strategy) -> list:
     out = tmp / f"{name}.json"
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False,
+        accelerator=accelerator, devices=1, max_steps=max_steps, logger=False, precision=precision,
+        enable_progress_bar=False, enable_model_summary=False,
         callbacks=[RecordOptimizer(out), ModelCheckpoint(dirpath=tmp / f"{name}-ckpts",
                                                          every_n_train_steps=3, save_top_k=-1)],
-        strategy=MegatronStrategy(global_batch_size=4, micro_batch_size=2, start_method="fork"),
+        strategy=MegatronStrategy(global_batch_size=4, micro_batch_size=2, **strategy),
     )
-    trainer.fit(PretrainModule(tiny_config(), settings), DataLoader(TokenRows(), batch_size=4),
+    trainer.fit(PretrainModule(config or tiny_config(), settings), DataLoader(TokenRows(), batch_size=4),
                 ckpt_path=ckpt_path)
     return json.loads(out.read_text())
 
 
-@pytest.mark.distributed
-def test_resume_follows_the_new_lr_schedule(tmp_path):
-    """3 steps at lr 1e-3 over max_steps 3, then resumed at lr 4e-3, min_lr 2e-4, warmup 4,
-    weight decay 0.1, beta2 0.99 over max_steps 8: every resumed update uses the new config's
-    schedule at the continued step count, and the new settings reach the param groups."""
-    first = train(tmp_path, "first", FIRST, max_steps=3)
+def check_resume(tmp_path, **run):
+    first = train(tmp_path, "first", FIRST, max_steps=3, **run)
     assert [r["lr"] for r in first] == [[pytest.approx(expected_lr(FIRST, 3, k))] for k in range(3)]
 
     saved = tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt"
-    log = logging.FileHandler(tmp_path / "log.txt")  # the forked rank inherits it
+    log = logging.FileHandler(tmp_path / "log.txt")  # a forked rank inherits it
     logging.getLogger("lightning.pytorch").addHandler(log)
     try:
-        resumed = train(tmp_path, "resumed", SECOND, max_steps=8, ckpt_path=str(saved))
+        resumed = train(tmp_path, "resumed", SECOND, max_steps=8, ckpt_path=str(saved), **run)
     finally:
         logging.getLogger("lightning.pytorch").removeHandler(log)
         log.close()
@@ -88,4 +85,21 @@ def test_resume_follows_the_new_lr_schedule(tmp_path):
         assert row["betas"] == [[0.9, 0.99]]
     assert ("with this run's optimizer settings, which differ from the checkpoint's: lr 0.001 -> "
             "0.004; min_lr 1e-05 -> 0.0002; warmup_steps 1 -> 4; decay_steps (max_steps if unset) "
-            "3 -> 8; weight_decay 0.01 -> 0.1; adam_beta1, adam_beta2 [0.9, 0.95] -> [0.9, 0.99]") in (tmp_path / "log.txt").read_text()
+            "3 -> 8; weight_decay 0.01 -> 0.1; adam_beta1, adam_beta2 [0.9, 0.95] -> [0.9, 0.99]"
+            ) in (tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.distributed
+def test_resume_follows_the_new_lr_schedule(tmp_path):
+    """3 steps at lr 1e-3 over max_steps 3, then resumed at lr 4e-3, min_lr 2e-4, warmup 4,
+    weight decay 0.1, beta2 0.99 over max_steps 8: every resumed update uses the new config's
+    schedule at the continued step count, and the new settings reach the param groups."""
+    check_resume(tmp_path, start_method="fork")
+
+
+@pytest.mark.gpu
+def test_resume_follows_the_new_lr_schedule_with_the_distributed_optimizer(tmp_path):
+    """The same with mcore's distributed optimizer, bf16 and Transformer Engine on one GPU
+    (mcore 0.19 pairs saved and current param groups by their lr bounds, which change here)."""
+    check_resume(tmp_path, accelerator="gpu", precision="bf16-mixed", start_method="popen",
+                 config=tiny_config(transformer_impl="transformer_engine"), use_distributed_optimizer=True)

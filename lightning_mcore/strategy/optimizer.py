@@ -207,6 +207,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         changes = []
         if load_optimizer is not None:
             mine = _group_settings(self.optimizer.param_groups)
+            if schedule:
+                self._match_saved_groups(schedule)
             load_optimizer()
             saved = _group_settings(self.optimizer.param_groups)
             for group, settings in zip(self.optimizer.param_groups, mine):
@@ -217,6 +219,14 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self.scheduler.num_steps = 0
             self.scheduler.load_state_dict(schedule)  # position from the checkpoint, values ours
         return changes
+
+    def _match_saved_groups(self, schedule: dict) -> None:
+        """mcore >= 0.19 pairs the saved param groups with the current ones by their settings,
+        max_lr and min_lr among them: while loading, the current groups carry the checkpoint's."""
+        for group in self.optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if key in schedule and group.get(key) == getattr(self.scheduler, key):
+                    group[key] = schedule[key]
 
     def __repr__(self) -> str:
         return f"MegatronOptimizer({type(self.optimizer).__name__})"
