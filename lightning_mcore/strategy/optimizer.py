@@ -159,19 +159,21 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def _checked_update(self, loss) -> tuple[bool, Optional[float]]:
         """mcore's ChainedOptimizer.step (0.16-0.19: prepare grads, norm, clip by that norm,
         update), with the loss and the norm checked before anything changes. Every rank holds
-        the same loss and norm, so every rank decides alike. Returns (updated, grad norm)."""
+        the same loss and norm, so every rank decides alike. The check waits for the norm (one
+        host sync per step; mcore 0.19 with TE would otherwise keep the norm on the GPU).
+        Returns (updated, grad norm)."""
         optimizer = self.optimizer
-        if loss is not None and not is_finite(loss):
-            return self._nonfinite("loss", float(loss), None)
         if optimizer.prepare_grads():  # fp16 loss scaling found inf: mcore's own skip
             return False, None
-        grad_norm = float(optimizer.get_grad_norm())
+        grad_norm = optimizer.get_grad_norm()  # a float, or a GPU tensor (mcore 0.19 with TE)
+        if loss is not None and not is_finite(loss):
+            return self._nonfinite("loss", float(loss), grad_norm)
         if not is_finite(grad_norm):
-            return self._nonfinite("gradient norm", grad_norm, grad_norm)
-        self._clip(grad_norm)
+            return self._nonfinite("gradient norm", float(grad_norm), grad_norm)
+        self._clip(grad_norm)  # by the norm as mcore has it: a tensor clips on the GPU
         return optimizer.step_with_ready_grads(), grad_norm
 
-    def _clip(self, grad_norm: float) -> None:
+    def _clip(self, grad_norm) -> None:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
