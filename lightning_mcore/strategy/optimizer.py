@@ -156,7 +156,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self.scheduler.step(increment=1)
         return loss
 
-    def _checked_update(self, loss) -> tuple[bool, Optional[float]]:
+    def _checked_update(self, loss) -> tuple[bool, object]:
         """mcore's ChainedOptimizer.step (0.16-0.19: prepare grads, norm, clip by that norm,
         update), with the loss and the norm checked before anything changes. Every rank holds
         the same loss and norm, so every rank decides alike. The check waits for the norm (one
@@ -181,7 +181,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 continue
             params = part.get_parameters()
             if params:
-                decoupled = getattr(part.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+                decoupled = getattr(part.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                                    False)
                 clip_grad_by_total_norm_fp32(params, part.config.clip_grad, grad_norm, decoupled)
 
     def _nonfinite(self, what: str, value: float, grad_norm):
@@ -203,7 +204,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.resume(lambda: self.optimizer.load_state_dict(state_dict["optimizer"]),
                     state_dict["scheduler"])
 
-    def resume(self, load_optimizer: Optional[Callable[[], None]], schedule: Optional[dict]) -> list[str]:
+    def resume(self, load_optimizer: Optional[Callable[[], None]],
+               schedule: Optional[dict]) -> list[str]:
         """Load a checkpoint's optimizer state (`load_optimizer`) and LR schedule position, keeping
         this run's settings; returns the settings that differ from the checkpoint's."""
         changes = []
@@ -215,9 +217,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
             saved = _group_settings(self.optimizer.param_groups)
             for group, settings in zip(self.optimizer.param_groups, mine):
                 group.update(settings)
-            changes += sorted({c for s, m in zip(saved, mine) for c in _differences(s, m, _GROUP_FIELDS)})
+            changes += sorted({change for s, m in zip(saved, mine)
+                               for change in _differences(s, m, _GROUP_FIELDS)})
         if schedule:
-            changes = _differences(schedule, self.scheduler.state_dict(), _SCHEDULE_FIELDS) + changes
+            ours = self.scheduler.state_dict()
+            changes = _differences(schedule, ours, _SCHEDULE_FIELDS) + changes
             self.scheduler.num_steps = 0
             self.scheduler.load_state_dict(schedule)  # position from the checkpoint, values ours
         return changes
