@@ -70,6 +70,7 @@ def export_checkpoint(
     from lightning_mcore.model.lora import LoRAConfig, apply_lora, set_merged
     from lightning_mcore.strategy import checkpoint_io
     from lightning_mcore.strategy.cpu import cuda_on_cpu
+    from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights
     from lightning_mcore.strategy.parallel import ParallelConfig
 
     saved = checkpoint_io.read_saved_model(checkpoint)  # clear errors before any set-up
@@ -93,6 +94,7 @@ def export_checkpoint(
             _load_base(chunks, saved, base)
             apply_lora(chunks, LoRAConfig(**saved.lora), seed=0)
         checkpoint_io.load_model(checkpoint, chunks)
+        refuse_nonfinite_weights(chunks, "cpu", f"the HF export {output}")
         if mode == "peft":
             export_peft(chunks, saved.config, saved.hf_family, LoRAConfig(**saved.lora), output,
                         base_model=saved.hf_path, overwrite=overwrite, protected=protected,

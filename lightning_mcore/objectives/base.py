@@ -121,6 +121,7 @@ class MegatronModule(L.LightningModule):
         if mode != "full" and self.lora is None:
             raise ValueError(f"mode={mode!r} needs LoRA adapters on the model; use mode='full'.")
         strategy = self._strategy()
+        strategy.refuse_nonfinite_weights(f"the HF export {directory}")
         chunks = list(self.chunks)
         padded = self.model_config.padded_vocab_size(strategy.parallel.tensor_model_parallel_size)
         protected = [self.init_checkpoint]
@@ -194,6 +195,8 @@ class MegatronModule(L.LightningModule):
         logs = {"train/lr": optimizer.lr}
         if optimizer.last_grad_norm is not None:
             logs["train/grad_norm"] = optimizer.last_grad_norm
+        if optimizer.on_nonfinite == "skip":
+            logs["train/skipped_update"] = float(optimizer.last_update_skipped)
         self.log_dict(logs, batch_size=1)
 
 

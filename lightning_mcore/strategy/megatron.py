@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +26,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
@@ -432,7 +433,8 @@ class MegatronStrategy(DDPStrategy):
             for chunk in chunks:
                 chunk.zero_grad_buffer()
 
-        return MegatronOptimizer(opt, scheduler, zero_grad_buffers, self.mcore_context)
+        return MegatronOptimizer(opt, scheduler, zero_grad_buffers, self.mcore_context,
+                                 settings.on_nonfinite, lambda: self.lightning_module.trainer.global_step)
 
     # ---------------------------------------------------------------- steps
     def split_microbatches(self, batch: dict) -> list[dict]:
@@ -533,6 +535,7 @@ class MegatronStrategy(DDPStrategy):
         from lightning_mcore.strategy import checkpoint_io
 
         module = self.lightning_module
+        self.refuse_nonfinite_weights(f"checkpoint {filepath}")
         optimizer = self.optimizers[0] if self.optimizers else None
         extra = {
             "model_config": dataclasses.asdict(module.model_config),
@@ -561,6 +564,12 @@ class MegatronStrategy(DDPStrategy):
                 self._async_saves = self._async_saves or AsyncCallsQueue()
                 self._async_saves.schedule_async_request(request)
 
+    def refuse_nonfinite_weights(self, what: str) -> None:
+        """Raise NonFiniteError rather than write `what` from NaN/inf weights (collective)."""
+        from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights
+
+        refuse_nonfinite_weights(self.lightning_module.chunks, self.root_device, what)
+
     def finalize_async_saves(self, blocking: bool = False) -> None:
         """Publish the async checkpoints whose writes finished on every rank (collective)."""
         if self._async_saves is not None and self._async_saves.get_num_unfinalized_calls():
@@ -583,19 +592,27 @@ class MegatronStrategy(DDPStrategy):
         checkpoint_io.load_rng(self._loading_path, self.global_rank)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        from lightning_mcore.strategy import checkpoint_io
-
+        """The checkpoint's optimizer state and LR schedule position, with this run's optimizer
+        settings (lr, min_lr, warmup, decay steps, betas, ...); the differences are logged."""
         optimizer = self.optimizers[0]
-        if checkpoint.get("megatron", {}).get("saved_optimizer", True):
-            with self.mcore_context():
-                checkpoint_io.load_optimizer(self._loading_path, list(self.lightning_module.chunks),
-                                             optimizer.optimizer)
+        saved = checkpoint.get("megatron", {})
+        load_state = None
+        if saved.get("saved_optimizer", True):
+            load_state = functools.partial(self._load_optimizer_shards, optimizer)
         else:
             rank_zero_warn(f"{self._loading_path} holds no optimizer state (saved with "
                            "save_optimizer=False): the optimizer starts fresh.")
-        scheduler_state = checkpoint.get("megatron", {}).get("lr_scheduler")
-        if scheduler_state:
-            optimizer.scheduler.load_state_dict(scheduler_state)
+        changes = optimizer.resume(load_state, saved.get("lr_scheduler"))
+        if changes:
+            rank_zero_info(f"Resuming {self._loading_path} with this run's optimizer settings, "
+                           f"which differ from the checkpoint's: {'; '.join(changes)}.")
+
+    def _load_optimizer_shards(self, optimizer: MegatronOptimizer) -> None:
+        from lightning_mcore.strategy import checkpoint_io
+
+        with self.mcore_context():
+            checkpoint_io.load_optimizer(self._loading_path, list(self.lightning_module.chunks),
+                                         optimizer.optimizer)
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:

@@ -2,8 +2,12 @@
 
 Lightning's automatic optimization calls `optimizer.step(closure)`; the closure runs the
 training step, in which mcore's pipeline schedule has already done forward, backward and
-finalize_model_grads (data-parallel reduction, per-token scaling). `step` then clips, updates
-and advances the LR schedule by one optimizer step.
+finalize_model_grads (data-parallel reduction, per-token scaling). `step` then checks the loss
+and gradient norm, clips, updates and advances the LR schedule by one optimizer step.
+
+On resume the run's settings win over the checkpoint's (Megatron's
+--override-opt_param-scheduler): LR schedule, and the param groups' lr bounds, betas and eps,
+which loading the optimizer state would otherwise bring back from the checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_mcore.strategy.nonfinite import NonFiniteError, is_finite, step_message
 
 
 @dataclass
@@ -29,12 +36,17 @@ class OptimizerSettings:
     decay_steps: Optional[int] = None  # None: the Trainer's max_steps
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     optimizer: Literal["adam", "sgd"] = "adam"
+    # A step whose loss or gradient norm is NaN/inf never updates the weights; "stop" then
+    # raises NonFiniteError naming the step, "skip" goes on with the next batch.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}) and lr > 0.")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}.")
 
 
 def build_megatron_optimizer(chunks, settings: OptimizerSettings, parallel, dtype: torch.dtype):
@@ -74,18 +86,44 @@ def build_lr_scheduler(optimizer, settings: OptimizerSettings, max_steps: int):
         end_wd=settings.weight_decay,
         wd_incr_steps=decay,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,  # on resume, this run's settings win
     )
+
+
+# Scheduler state keys, by the OptimizerSettings field they come from.
+_SCHEDULE_FIELDS = {"max_lr": "lr", "min_lr": "min_lr", "lr_warmup_steps": "warmup_steps",
+                    "lr_decay_steps": "decay_steps (max_steps if unset)",
+                    "lr_decay_style": "decay_style", "end_wd": "weight_decay"}
+# Param-group settings that loading an optimizer state brings back from the checkpoint.
+_GROUP_FIELDS = {"betas": "adam_beta1, adam_beta2", "eps": "adam_eps", "momentum": "momentum"}
+_GROUP_STATE_KEYS = ("params", "step")  # what a checkpoint's param group rightly restores
+
+
+def _group_settings(groups) -> list[dict]:
+    return [{k: v for k, v in g.items() if k not in _GROUP_STATE_KEYS} for g in groups]
+
+
+def _differences(saved: dict, current: dict, names: dict[str, str]) -> list[str]:
+    def plain(value):  # a checkpoint may bring a tuple back as a list
+        return list(value) if isinstance(value, tuple) else value
+
+    return [f"{name} {plain(saved[k])} -> {plain(current[k])}" for k, name in names.items()
+            if k in saved and k in current and plain(saved[k]) != plain(current[k])]
 
 
 class MegatronOptimizer(torch.optim.Optimizer):
     """Lightning-facing wrapper of an mcore optimizer plus its LR schedule."""
 
-    def __init__(self, optimizer, scheduler, zero_grad_buffers: Callable[[], None], compat) -> None:
+    def __init__(self, optimizer, scheduler, zero_grad_buffers: Callable[[], None], compat,
+                 on_nonfinite: str = "stop", global_step: Callable[[], int] = lambda: 0) -> None:
         # torch.optim.Optimizer.__init__ is skipped on purpose: the parameters live in mcore.
         self.optimizer = optimizer
         self.scheduler = scheduler
         self._zero_grad_buffers = zero_grad_buffers
         self._compat = compat  # context for mcore calls (CUDA-on-CPU mode on CPU)
+        self.on_nonfinite = on_nonfinite
+        self._global_step = global_step  # the trainer's, named in non-finite errors
         self.defaults = {}
         self.last_grad_norm: Optional[float] = None
         self.last_update_skipped = False
@@ -111,12 +149,49 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         with self._compat():
-            ok, grad_norm, _ = self.optimizer.step()
+            ok, grad_norm = self._checked_update(loss)
         self.last_update_skipped = not ok
         self.last_grad_norm = None if grad_norm is None else float(grad_norm)
         if ok:
             self.scheduler.step(increment=1)
         return loss
+
+    def _checked_update(self, loss) -> tuple[bool, object]:
+        """mcore's ChainedOptimizer.step (0.16-0.19: prepare grads, norm, clip by that norm,
+        update), with the loss and the norm checked before anything changes. Every rank holds
+        the same loss and norm, so every rank decides alike. The check waits for the norm (one
+        host sync per step; mcore 0.19 with TE would otherwise keep the norm on the GPU).
+        Returns (updated, grad norm)."""
+        optimizer = self.optimizer
+        if optimizer.prepare_grads():  # fp16 loss scaling found inf: mcore's own skip
+            return False, None
+        grad_norm = optimizer.get_grad_norm()  # a float, or a GPU tensor (mcore 0.19 with TE)
+        if loss is not None and not is_finite(loss):
+            return self._nonfinite("loss", float(loss), grad_norm)
+        if not is_finite(grad_norm):
+            return self._nonfinite("gradient norm", float(grad_norm), grad_norm)
+        self._clip(grad_norm)  # by the norm as mcore has it: a tensor clips on the GPU
+        return optimizer.step_with_ready_grads(), grad_norm
+
+    def _clip(self, grad_norm) -> None:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0:
+                continue
+            params = part.get_parameters()
+            if params:
+                decoupled = getattr(part.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                                    False)
+                clip_grad_by_total_norm_fp32(params, part.config.clip_grad, grad_norm, decoupled)
+
+    def _nonfinite(self, what: str, value: float, grad_norm):
+        skip = self.on_nonfinite == "skip"
+        message = step_message(what, value, self._global_step(), self.scheduler.max_lr, skip)
+        if not skip:
+            raise NonFiniteError(message)
+        rank_zero_warn(message)
+        return False, grad_norm
 
     @property
     def lr(self) -> float:
@@ -126,8 +201,38 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.scheduler.load_state_dict(state_dict["scheduler"])
+        self.resume(lambda: self.optimizer.load_state_dict(state_dict["optimizer"]),
+                    state_dict["scheduler"])
+
+    def resume(self, load_optimizer: Optional[Callable[[], None]],
+               schedule: Optional[dict]) -> list[str]:
+        """Load a checkpoint's optimizer state (`load_optimizer`) and LR schedule position, keeping
+        this run's settings; returns the settings that differ from the checkpoint's."""
+        changes = []
+        if load_optimizer is not None:
+            mine = _group_settings(self.optimizer.param_groups)
+            if schedule:
+                self._match_saved_groups(schedule)
+            load_optimizer()
+            saved = _group_settings(self.optimizer.param_groups)
+            for group, settings in zip(self.optimizer.param_groups, mine):
+                group.update(settings)
+            changes += sorted({change for s, m in zip(saved, mine)
+                               for change in _differences(s, m, _GROUP_FIELDS)})
+        if schedule:
+            ours = self.scheduler.state_dict()
+            changes = _differences(schedule, ours, _SCHEDULE_FIELDS) + changes
+            self.scheduler.num_steps = 0
+            self.scheduler.load_state_dict(schedule)  # position from the checkpoint, values ours
+        return changes
+
+    def _match_saved_groups(self, schedule: dict) -> None:
+        """mcore >= 0.19 pairs the saved param groups with the current ones by their settings,
+        max_lr and min_lr among them: while loading, the current groups carry the checkpoint's."""
+        for group in self.optimizer.param_groups:
+            for key in ("max_lr", "min_lr"):
+                if key in schedule and group.get(key) == getattr(self.scheduler, key):
+                    group[key] = schedule[key]
 
     def __repr__(self) -> str:
         return f"MegatronOptimizer({type(self.optimizer).__name__})"
