@@ -52,6 +52,12 @@ HARMLESS = (
     Harmless(r"`load_state_dict` is deprecated and will be removed in future versions\. Please use "
              r"`load` instead", FutureWarning, r"megatron\.core\.dist_checkpointing\.",
              "mcore's checkpoint loading uses a torch API that newer torch deprecates"),
+    Harmless(r"Detected a Jax installation but could not find the shared object file for the "
+             r"Transformer Engine Jax extension", RuntimeWarning, r"transformer_engine\b",
+             "TE's JAX bindings, on a machine that has JAX: we use TE's PyTorch side only"),
+    Harmless(r"invalid escape sequence", SyntaxWarning, r".*megatron[./]core[./]",
+             "a docstring in mcore's source, reported when Python compiles it (no .pyc cached); "
+             "the module is then the file's path"),
     Harmless(r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
              r"(megatron\.core|lightning_mcore\.strategy\.cpu)\b",
              "mcore's dist_checkpointing builds torch ShardedTensors (seen through our CPU layer)"),

@@ -18,11 +18,15 @@ MoE (local spec, SequentialMLP experts), patched in mcore's modules while instal
    (`torch.cuda.Stream()` at construction, `torch.cuda.stream`/events per step) and turns them
    into numpy only for CUDA tensors: a CPU step does the numpy conversion without streams.
 7. The router's gating GEMM tests `te_general_gemm`, a name only defined when Transformer
-   Engine imports (NameError without it): defined as None, so the torch.mm path runs.
+   Engine imports (NameError without it), and a CUDA kernel when it is: None on CPU, so the
+   torch.mm path runs.
 8. Uneven all-gathers (tokens per rank, alltoall dispatcher with TP) use `dist.all_gather`
    with unequal sizes, which gloo refuses: pad to the longest, gather, trim.
 9. mcore 0.19's DDP orders its gradient reduction after `torch.cuda.current_stream()`: a
    stream whose waits and records do nothing (CPU work is in program order).
+10. With Transformer Engine installed (a GPU machine running CPU work), mcore's grad norm,
+   gradient clipping and main-param copies take TE's CUDA multi-tensor kernels: on CPU, mcore's
+   own local implementations (those it uses when neither TE nor Apex is installed).
 Torch function modes are not active inside autograd's backward; none of the above is needed
 there (checked by tests/test_cpu_compat.py).
 """
@@ -145,6 +149,19 @@ class CpuCompat:
         # (9) mcore 0.19 DDP asks for the current stream before reducing gradients
         self._replace(torch.cuda, "current_stream", lambda *a, **k: _NO_STREAM)
         self._install_moe()
+        self._install_multi_tensor()
+
+    def _install_multi_tensor(self) -> None:
+        from megatron.core import utils
+        from megatron.core.optimizer import clip_grads, optimizer
+
+        # (10)
+        for module in (clip_grads, optimizer):
+            self._replace(module, "multi_tensor_applier", utils.local_multi_tensor_applier)
+            self._replace(module, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
+        self._replace(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
+        if hasattr(clip_grads, "multi_tensor_scale_tensor_impl"):  # mcore 0.19
+            self._replace(clip_grads, "multi_tensor_scale_tensor_impl", None)
 
     def _install_moe(self) -> None:
         from megatron.core.tensor_parallel import mappings
@@ -156,9 +173,8 @@ class CpuCompat:
             if getattr(dispatcher, "cuda_dtoh_stream", _ABSENT) is None:
                 self._replace(dispatcher, "cuda_dtoh_stream", "no CUDA stream on CPU")
             self._replace(dispatcher, "_maybe_dtoh_and_synchronize", _moe_dtoh_on_cpu)
-        if not hasattr(moe_utils, "te_general_gemm"):
-            # (7) the router GEMM reads te_general_gemm, defined only when TE imports
-            self._replace(moe_utils, "te_general_gemm", None)
+        # (7) the router GEMM reads te_general_gemm: undefined without TE, a CUDA kernel with it
+        self._replace(moe_utils, "te_general_gemm", None)
         # (8) uneven all-gathers use dist.all_gather with unequal sizes (NCCL only, not gloo)
         gather = _padded_uneven_gather(mappings._gather_along_first_dim)
         self._replace(mappings, "_gather_along_first_dim", gather)
