@@ -24,9 +24,10 @@ MoE (local spec, SequentialMLP experts), patched in mcore's modules while instal
    with unequal sizes, which gloo refuses: pad to the longest, gather, trim.
 9. mcore 0.19's DDP orders its gradient reduction after `torch.cuda.current_stream()`: a
    stream whose waits and records do nothing (CPU work is in program order).
-10. With Transformer Engine installed (a GPU machine running CPU work), mcore's grad norm,
-   gradient clipping and main-param copies take TE's CUDA multi-tensor kernels: on CPU, mcore's
-   own local implementations (those it uses when neither TE nor Apex is installed).
+10. With Transformer Engine installed (a GPU machine running CPU work), mcore picks TE's fused
+   (CUDA) Adam and TE's multi-tensor kernels for the grad norm, clipping and main-param copies:
+   on CPU, torch's Adam and mcore's own local implementations, as when neither TE nor Apex is
+   installed.
 Torch function modes are not active inside autograd's backward; none of the above is needed
 there (checked by tests/test_cpu_compat.py).
 """
@@ -152,10 +153,17 @@ class CpuCompat:
         self._install_multi_tensor()
 
     def _install_multi_tensor(self) -> None:
-        from megatron.core import utils
-        from megatron.core.optimizer import clip_grads, optimizer
+        import importlib
 
+        from megatron.core import utils
+
+        package = importlib.import_module("megatron.core.optimizer")
+        clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+        optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+        distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
         # (10)
+        self._replace(package, "USING_PYTORCH_OPTIMIZER", True)
+        self._replace(distrib_optimizer, "HAVE_APEX_OR_TE", False)
         for module in (clip_grads, optimizer):
             self._replace(module, "multi_tensor_applier", utils.local_multi_tensor_applier)
             self._replace(module, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
