@@ -35,6 +35,7 @@ EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no
                "lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out "
                "[--mode peft] [--overwrite]; see lightning-mcore export --help.")
 
+
 class MegatronCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
         super().__init__(
@@ -71,7 +72,6 @@ class MegatronCLI(LightningCLI):
                 strategy.validate_module(self.model)
             except LayoutError as error:
                 self._layout_error(error)
-        self._check_export_targets()
 
     def _check_export_targets(self) -> None:
         """A fresh `fit` whose HFExport would meet an earlier export stops here, not after its
@@ -121,7 +121,8 @@ class MegatronCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         """What the built objects can still tell before any worker starts: the precision, the
         data's row length against the model's (and the model's against its HF config), the HF
-        weights' files and that a checkpoint to resume holds this model."""
+        weights' files, that a checkpoint to resume holds this model, and that a fresh run's
+        HFExport meets no earlier export."""
         from lightning_mcore.strategy import checkpoint_io
         from lightning_mcore.strategy.megatron import MegatronStrategy
 
@@ -139,6 +140,7 @@ class MegatronCLI(LightningCLI):
             tp = strategy.parallel.tensor_model_parallel_size
             self._read_checkpoint(f"ckpt_path={path}", Path(path),
                                   lambda p: checkpoint_io.read_common(p, module.model_config, tp))
+        self._check_export_targets()
 
     def _check_seq_length(self, module: MegatronModule) -> None:
         data = getattr(getattr(self, "datamodule", None), "hparams", None) or {}

@@ -54,10 +54,10 @@ class HFExport(L.Callback):
     def check_targets(self, start_step: int, max_steps: int) -> None:
         """ExportTargetError if an export this run will write would replace something it may
         not (collective in a distributed run)."""
-        from lightning_mcore.hf.export_dir import check_target
+        from lightning_mcore.hf.export_dir import check_targets
 
-        for step in self.planned_steps(start_step, max_steps):
-            check_target(self.path(step), self.overwrite)
+        check_targets([self.path(step) for step in self.planned_steps(start_step, max_steps)],
+                      self.overwrite)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.mode != "full" and getattr(pl_module, "lora", None) is None:

@@ -64,15 +64,21 @@ def target_problem(output, overwrite: bool = False, protected: Iterable = ()) ->
 def check_target(output, overwrite: bool = False, protected: Iterable = ()) -> Path:
     """The absolute output path, or ExportTargetError. Collective inside a distributed run:
     global rank 0 looks (it is the rank that writes) and every rank gets its verdict."""
+    check_targets([output], overwrite, protected)
+    return Path(output).expanduser().resolve()
+
+
+def check_targets(outputs: Iterable, overwrite: bool = False, protected: Iterable = ()) -> None:
+    """ExportTargetError for the first of `outputs` that may not be written; one collective
+    (a broadcast from global rank 0) for all of them."""
     protected = list(protected)
-    problem = target_problem(output, overwrite, protected)
+    problem = next((p for p in (target_problem(o, overwrite, protected) for o in outputs) if p), None)
     if dist.is_initialized() and dist.get_world_size() > 1:
         verdict = [problem]
         dist.broadcast_object_list(verdict, src=0)
         problem = verdict[0]
     if problem:
         raise ExportTargetError(problem)
-    return Path(output).expanduser().resolve()
 
 
 @contextlib.contextmanager

@@ -153,14 +153,10 @@ class CpuCompat:
         self._install_multi_tensor()
 
     def _install_multi_tensor(self) -> None:
-        import importlib
-
+        import megatron.core.optimizer as package
         from megatron.core import utils
-
-        package = importlib.import_module("megatron.core.optimizer")
-        clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
-        optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
-        distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+        from megatron.core.optimizer import clip_grads, distrib_optimizer
+        from megatron.core.optimizer import optimizer  # the module, not the package
         # (10)
         self._replace(package, "USING_PYTORCH_OPTIMIZER", True)
         self._replace(distrib_optimizer, "HAVE_APEX_OR_TE", False)
