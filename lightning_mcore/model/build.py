@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from lightning_mcore.model.attention import SDPAttention
 from lightning_mcore.model.config import GPTConfig
@@ -29,17 +30,19 @@ from lightning_mcore.model.norm import RMSNorm
 from lightning_mcore.model.rope import apply_rope_scaling
 
 
-def layer_spec(cfg: GPTConfig, use_te: bool):
-    """TE spec on GPU; else mcore's local spec with SDPA attention and an SP-capable RMSNorm."""
+def layer_spec(cfg: GPTConfig, use_te: bool, moe: Optional[bool] = None):
+    """TE spec on GPU; else mcore's local spec with SDPA attention and an SP-capable RMSNorm.
+    `moe`: whether this layer's MLP is a mixture of experts (default: the model has experts)."""
+    experts = cfg.num_moe_experts if (moe is None or moe) else None
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=cfg.num_moe_experts,
+            num_experts=experts,
             moe_grouped_gemm=cfg.moe_grouped_gemm,
             qk_layernorm=cfg.qk_layernorm,
         )
     spec = copy.deepcopy(
         get_gpt_layer_local_spec(
-            num_experts=cfg.num_moe_experts,
+            num_experts=experts,
             moe_grouped_gemm=cfg.moe_grouped_gemm,
             qk_layernorm=cfg.qk_layernorm,
             normalization="RMSNorm",
@@ -56,23 +59,35 @@ def layer_spec(cfg: GPTConfig, use_te: bool):
     return spec
 
 
+def block_spec(cfg: GPTConfig, tf_config, use_te: bool, vp_stage: Optional[int]):
+    """The layer specs of one chunk (layers differ in MLP kind, attention window, ...) and
+    its final norm."""
+    first = get_transformer_layer_offset(tf_config, vp_stage=vp_stage)
+    n = get_num_layers_to_build(tf_config, vp_stage=vp_stage)
+    specs = [layer_spec(cfg, use_te, moe=cfg.is_moe_layer(i)) for i in range(first, first + n)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm(use_te))
+
+
+def final_norm(use_te: bool):
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return RMSNorm
+
+
 def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional[int] = None,
                  fuse_wgrad: Optional[bool] = None) -> list[GPTModel]:
     """The GPTModel chunks this rank owns, in virtual-stage order (`padded_vocab`: the
     embedding rows, by default the vocab padded for this tensor-parallel size; `fuse_wgrad`:
     see fuse_wgrad_accumulation, on by default with TE)."""
-    spec = layer_spec(cfg, use_te)
     fuse_wgrad = use_te if fuse_wgrad is None else fuse_wgrad
     vpp = tf_config.virtual_pipeline_model_parallel_size
     tp = tf_config.tensor_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        if use_te:
-            block = spec
-        else:
-            n = get_num_layers_to_build(tf_config, vp_stage=stage)
-            block = TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=RMSNorm)
+        block = block_spec(cfg, tf_config, use_te, stage)
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=block,

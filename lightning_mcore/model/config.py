@@ -3,20 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 
 TransformerImpl = Literal["auto", "transformer_engine", "local"]
+Activation = Literal["silu", "gelu_tanh"]
+
+
+@dataclass
+class MLAConfig:
+    """Multi-latent attention (DeepSeek-V2/V3): queries and keys/values pass through low-rank
+    latents; each head's query/key is a part without RoPE plus a RoPE part shared by all heads
+    on the key side."""
+
+    kv_lora_rank: int
+    qk_head_dim: int  # per-head query/key part without RoPE (HF qk_nope_head_dim)
+    qk_pos_emb_head_dim: int  # per-head RoPE part (HF qk_rope_head_dim)
+    v_head_dim: int
+    q_lora_rank: Optional[int] = None  # None: queries projected directly from the hidden state
 
 
 @dataclass
 class GPTConfig:
-    """Decoder-only transformer: RMSNorm, SwiGLU, RoPE, GQA (Llama, Qwen, Mistral family).
+    """Decoder-only transformer: RMSNorm, gated MLP, RoPE, GQA; the defaults are a Llama.
 
     `rope_scaling` takes the Hugging Face dict (e.g. {"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}).
+    The architecture variants below are what the family modules (lightning_mcore/models/) set.
     """
 
     num_layers: int = 2
@@ -36,6 +52,19 @@ class GPTConfig:
     init_method_std: float = 0.02
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    # Architecture variants
+    activation: Activation = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    zero_centered_norm: bool = False  # norms scale by (1 + weight) (Gemma)
+    post_norms: bool = False  # also a norm on the attention and MLP outputs (Gemma 2/3)
+    embedding_scale: Optional[float] = None  # embeddings are multiplied by it (Gemma: sqrt(h))
+    softmax_scale: Optional[float] = None  # attention scale; None: 1/sqrt(head_dim)
+    # Sliding-window attention: a windowed layer's token q sees keys q-W < k <= q (HF's rule).
+    sliding_window: Optional[int] = None
+    # Per layer "sliding_attention" or "full_attention" (HF's layer_types); None: every layer
+    # is windowed when sliding_window is set.
+    layer_types: Optional[list[str]] = None
+    local_rotary_base: Optional[float] = None  # RoPE base of windowed layers (Gemma 3)
+    mla: Optional[MLAConfig] = None  # multi-latent attention instead of GQA
     # Mixture of experts (None: dense MLP)
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
@@ -46,6 +75,13 @@ class GPTConfig:
     moe_token_dispatcher_type: str = "alltoall"
     moe_grouped_gemm: bool = False
     moe_router_pre_softmax: bool = False
+    moe_layer_freq: Union[int, list[int]] = 1  # 1: every layer MoE; a list: 1 MoE, 0 dense
+    moe_shared_expert_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing bias (DeepSeek-V3)
+    moe_router_num_groups: Optional[int] = None  # group-limited routing
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
     # Execution
     transformer_impl: TransformerImpl = "auto"
     recompute_granularity: Optional[Literal["full", "selective"]] = None
@@ -60,6 +96,20 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based `layer` has an MoE MLP (mcore's moe_layer_freq rule)."""
+        if not self.num_moe_experts:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return layer % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer])
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether 0-based `layer` attends within the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         """Vocab rounded up so every tensor-parallel rank holds an equal, aligned slice."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
@@ -71,6 +121,12 @@ class GPTConfig:
         if self.transformer_impl == "transformer_engine":
             return True
         return accelerator == "gpu" and te_available()
+
+
+ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+}
 
 
 def te_available() -> bool:
@@ -102,8 +158,10 @@ def to_transformer_config(
         kv_channels=cfg.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_epsilon,
+        layernorm_zero_centered_gamma=cfg.zero_centered_norm,
         gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
+        activation_func=ACTIVATIONS[cfg.activation],
+        softmax_scale=cfg.softmax_scale,
         add_bias_linear=False,
         add_qkv_bias=cfg.add_qkv_bias,
         qk_layernorm=cfg.qk_layernorm,
@@ -125,7 +183,7 @@ def to_transformer_config(
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=use_te,
-        bias_activation_fusion=use_te,
+        bias_activation_fusion=use_te and cfg.activation == "silu",  # mcore fuses silu/gelu only
         masked_softmax_fusion=use_te,
         persist_layer_norm=use_te,
         bias_dropout_fusion=use_te,
@@ -139,6 +197,10 @@ def to_transformer_config(
         kwargs.update(fp8="hybrid", fp8_recipe="delayed" if cfg.fp8 == "delayed" else "tensorwise")
     if cfg.recompute_granularity == "full":
         kwargs.update(recompute_method="uniform", recompute_num_layers=cfg.recompute_num_layers or 1)
+    if cfg.sliding_window is not None:
+        # TE's window (left, right) keeps keys q-left <= k <= q+right.
+        kwargs.update(window_size=(cfg.sliding_window - 1, 0), window_attn_skip_freq=[
+            int(cfg.is_window_layer(i)) for i in range(cfg.num_layers)])
     if cfg.num_moe_experts:
         kwargs.update(
             num_moe_experts=cfg.num_moe_experts,
@@ -150,6 +212,13 @@ def to_transformer_config(
             moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
             moe_grouped_gemm=cfg.moe_grouped_gemm,
             moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+            moe_layer_freq=cfg.moe_layer_freq,
+            moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+            moe_router_score_function=cfg.moe_router_score_function,
+            moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+            moe_router_num_groups=cfg.moe_router_num_groups,
+            moe_router_group_topk=cfg.moe_router_group_topk,
+            moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         )
     kwargs.update(cfg.extra)
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
