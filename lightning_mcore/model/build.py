@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from lightning_mcore.model.attention import SDPAttention
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.mla import mla_layer_spec
 from lightning_mcore.model.norm import RMSNorm
 from lightning_mcore.model.rope import apply_rope_scaling
 
@@ -34,6 +35,8 @@ def layer_spec(cfg: GPTConfig, use_te: bool, moe: Optional[bool] = None):
     """TE spec on GPU; else mcore's local spec with SDPA attention and an SP-capable RMSNorm.
     `moe`: whether this layer's MLP is a mixture of experts (default: the model has experts)."""
     experts = cfg.num_moe_experts if (moe is None or moe) else None
+    if cfg.mla is not None:
+        return mla_layer_spec(cfg, use_te, experts)
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts,

@@ -147,6 +147,9 @@ def to_transformer_config(
 ):
     """Build mcore's TransformerConfig; execution flags follow the device (fusions need CUDA)."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from lightning_mcore.model.mla import mla_config_kwargs
 
     p = parallel
     kwargs = dict(
@@ -220,11 +223,15 @@ def to_transformer_config(
             moe_router_group_topk=cfg.moe_router_group_topk,
             moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         )
+    config_class = TransformerConfig
+    if cfg.mla is not None:
+        config_class = MLATransformerConfig
+        kwargs.update(mla_config_kwargs(cfg))
     kwargs.update(cfg.extra)
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    known = {f.name for f in dataclasses.fields(config_class)}
     unknown = sorted(set(kwargs) - known)
     for name in unknown:  # fields that an older/newer mcore does not have
         if name in cfg.extra:
             raise ValueError(f"GPTConfig.extra: TransformerConfig has no field {name!r}.")
         kwargs.pop(name)
-    return TransformerConfig(**kwargs)
+    return config_class(**kwargs)

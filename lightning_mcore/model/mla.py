@@ -1,0 +1,139 @@
+"""Multi-latent attention (DeepSeek-V2/V3) on mcore's MLASelfAttention.
+
+    q  = q_up(norm(q_down(x)))          or q_proj(x) without q_lora_rank   [heads x (nope + rope)]
+    kv = kv_down(x) = [latent | k_rope]   k, v = kv_up(norm(latent))        [heads x (nope + v)]
+    RoPE on the rope part of q and on k_rope (one head, shared by all heads), as HF's
+    `rope_interleave`: pairs (x0, x1), (x2, x3), ... (mcore de-interleaves, then rotates half).
+
+Both layer specs keep one tensor-parallel layout (the weight tables have one): every projection
+is column-parallel, the two down projections too (their outputs are gathered over TP, as mcore's
+own local spec does), where mcore's TE spec would hold them whole on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Iterator
+
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+from lightning_mcore.model.attention import SDPAttention
+from lightning_mcore.model.norm import RMSNorm
+
+MLA_ROPE_TYPES = ("default", "yarn")
+
+
+class LatentAttention(MLASelfAttention):
+    """mcore's MLASelfAttention, built with the norms and projections its spec names.
+
+    mcore 0.19 re-derives the q/kv norms from `qk_layernorm` (QKNormConfigResolver) and, without
+    q_lora_rank, replaces linear_q_proj by a fused norm+linear: a norm on the query input that
+    DeepSeek-V2-Lite does not have. The specs below already say where each norm is."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        with _te_flag_as_installed():
+            super().__init__(*args, **kwargs)
+
+    def _resolve_qk_norm_config(self, submodules) -> dict:
+        return dict(
+            linear_q_proj=submodules.linear_q_proj,
+            linear_q_up_proj=submodules.linear_q_up_proj,
+            linear_kv_up_proj=submodules.linear_kv_up_proj,
+            q_layernorm=submodules.q_layernorm,
+            kv_layernorm=submodules.kv_layernorm,
+        )
+
+
+@contextlib.contextmanager
+def _te_flag_as_installed() -> Iterator[None]:
+    """mcore 0.16.1 without Transformer Engine: its MLA module imports TE's classes as MagicMock
+    stand-ins, believes TE is there, and `isinstance(linear_proj, TELinear)` raises. While an
+    attention is built, that module's HAVE_TE says whether TE's classes are real."""
+    from megatron.core.transformer import multi_latent_attention as module
+
+    saved = module.HAVE_TE
+    module.HAVE_TE = saved and isinstance(module.TELinear, type)
+    try:
+        yield
+    finally:
+        module.HAVE_TE = saved
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_config_kwargs(cfg) -> dict:
+    """MLATransformerConfig fields for `cfg.mla` and its RoPE (HF's `rope_scaling` dict).
+
+    YaRN as transformers computes it: cos/sin scaled by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are set (else mscale(factor)), and the softmax
+    scale by mscale(factor, mscale_all_dim)^2; mcore computes the same from these fields."""
+    m = cfg.mla
+    rope = dict(cfg.rope_scaling or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out = dict(
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+        v_head_dim=m.v_head_dim,
+        rotary_base=cfg.rotary_base,
+        apply_rope_fusion=False,  # mcore: MLA's fused RoPE is for training only, YaRN only
+    )
+    if kind == "default":
+        return {**out, "rope_type": "rope", "rotary_scaling_factor": 1.0}
+    if kind != "yarn":
+        raise ValueError(f"multi-latent attention takes rope_type {' or '.join(MLA_ROPE_TYPES)}, not {kind!r}.")
+    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if all_dim and not mscale:
+        # transformers: cos/sin by mscale(factor) alone, the softmax by mscale_all_dim
+        raise ValueError(f"YaRN with mscale_all_dim={all_dim!r} and no mscale is not supported.")
+    if rope.get("attention_factor") is not None:
+        raise ValueError("YaRN with an explicit attention_factor is not supported.")
+    if rope.get("truncate", True) is not True:
+        raise ValueError("YaRN with truncate=False is not supported.")
+    return {
+        **out,
+        "rope_type": "yarn",
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast") or 32),
+        "beta_slow": float(rope.get("beta_slow") or 1),
+        "mscale": float(mscale) if all_dim else 1.0,  # without mscale_all_dim HF ignores it
+        "mscale_all_dim": float(all_dim or 0.0),
+    }
+
+
+def mla_layer_spec(cfg, use_te: bool, experts):
+    """The layer spec of an MLA layer (`experts`: its MoE expert count, None for a dense MLP)."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=cfg.moe_grouped_gemm, qk_layernorm=True,
+            multi_latent_attention=True))
+        attn = spec.submodules.self_attention
+        attn.module = LatentAttention
+        # q/kv norms are fused into the up projections (layer_norm_weight)
+        attn.submodules.linear_q_down_proj = TEColumnParallelLinear
+        attn.submodules.linear_kv_down_proj = TEColumnParallelLinear
+        return spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=cfg.moe_grouped_gemm, qk_layernorm=True,
+        multi_latent_attention=True, normalization="RMSNorm"))
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    sub.self_attention.module = LatentAttention
+    attn = sub.self_attention.submodules
+    attn.core_attention = SDPAttention
+    attn.q_layernorm = RMSNorm
+    attn.kv_layernorm = RMSNorm
+    return spec
