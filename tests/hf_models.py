@@ -21,7 +21,23 @@ FAMILIES = {
     "mistral": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
     "qwen3_moe": lambda: (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    # Multi-latent attention, YaRN, 1 dense layer then MoE with a shared expert; V3: sigmoid
+    # router with a (randomised) bias, 2 groups of 2 experts, one group chosen.
+    "deepseek_v3": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(DEEPSEEK, **YARN)),
+    "deepseek_v3_noq": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(
+        DEEPSEEK, q_lora_rank=None, rope_interleave=False, rope_parameters=dict(
+            YARN["rope_parameters"], mscale=1.0, mscale_all_dim=1.0))),
+    "deepseek_v2": lambda: (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, dict(
+        DEEPSEEK, q_lora_rank=None, n_group=None, topk_group=None, norm_topk_prob=False)),
 }
+DEEPSEEK = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
+                first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                num_nextn_predict_layers=0)
+YARN = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})
 
 
 def hf_config_dict(name: str) -> dict:
@@ -40,6 +56,9 @@ def make_hf_model(name: str, directory: Path, seed: int = 0):
         for n, p in model.named_parameters():
             if p.dim() == 1:
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+                b.normal_(0.0, 0.1)
     model.save_pretrained(directory)
     return model
 

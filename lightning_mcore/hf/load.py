@@ -15,7 +15,11 @@ _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # The config.json fields behind the shape symbols of the mapping tables.
 _FIELDS = {"h": "hidden_size", "q": "num_attention_heads*head_dim", "kv": "num_key_value_heads*head_dim",
            "d": "head_dim", "f": "intermediate_size", "mf": "moe_intermediate_size",
-           "V": "vocab_size", "E": "num_experts"}
+           "V": "vocab_size", "E": "num_experts", "sf": "shared expert intermediate size",
+           "ql": "q_lora_rank", "kvl": "kv_lora_rank", "kva": "kv_lora_rank+qk_rope_head_dim",
+           "qh": "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)",
+           "kvb": "num_attention_heads*(qk_nope_head_dim+v_head_dim)",
+           "o": "num_attention_heads*v_head_dim"}
 
 
 def dims_of(cfg, padded_vocab: int) -> Dims:
@@ -49,7 +53,7 @@ def chunk_parameters(chunk, entries: list[Entry], cfg, ep: tuple[int, int]):
     layers = [layer.layer_number - 1 for layer in model.decoder.layers] if hasattr(model, "decoder") else []
     per_rank = (cfg.num_moe_experts or 0) // ep[1]
     compiled = [(e.pattern(), e) for e in entries]
-    for name, param in model.named_parameters():
+    for name, param in named_weights(model):
         if name.startswith("lora."):
             continue  # LoRA adapters: merged into the weights or exported by hf/peft_export.py
         key = local_name(name)
@@ -65,6 +69,16 @@ def chunk_parameters(chunk, entries: list[Entry], cfg, ep: tuple[int, int]):
             raise CheckpointError(f"mcore parameter {name!r} has no Hugging Face counterpart.")
 
 
+def named_weights(model):
+    """Parameters, then persistent buffers: the MoE router's expert_bias is one (mcore updates
+    it outside the optimizer; HF saves it as e_score_correction_bias)."""
+    yield from model.named_parameters()
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(prefix=prefix, recurse=False):
+            if name.rsplit(".", 1)[-1] not in module._non_persistent_buffers_set:
+                yield name, buffer
+
+
 def _check(reader: SafetensorsReader, names, entry: Entry, symbols, dtype) -> None:
     for name, shape in zip(names, entry.shapes):
         want = tuple(symbols[s] for s in shape)
@@ -75,10 +89,11 @@ def _check(reader: SafetensorsReader, names, entry: Entry, symbols, dtype) -> No
                 f"implies {list(want)} ({' x '.join(_FIELDS[s] for s in shape)}). The checkpoint "
                 f"and its config disagree."
             )
-        if dtype and reader.dtype(name) != dtype:
+        want_dtype = entry.dtype or dtype
+        if want_dtype and reader.dtype(name) != want_dtype:
             raise CheckpointError(
-                f"{name} in {reader.files[name].name} is {reader.dtype(name)}, but config.json "
-                f"says dtype {dtype}."
+                f"{name} in {reader.files[name].name} is {reader.dtype(name)}, but "
+                + (f"it is kept in {want_dtype}." if entry.dtype else f"config.json says dtype {dtype}.")
             )
 
 

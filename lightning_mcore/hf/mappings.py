@@ -5,7 +5,8 @@ An entry names the mcore parameter (local layer spec names, inside one GPTModel 
 HF tensors it is made of, the transform between them (which also states the tensor-parallel
 dimension), and the HF shapes in symbols checked against the config before any read:
     h hidden, q heads x head_dim, kv groups x head_dim, d head_dim, f ffn, mf expert ffn,
-    V vocab, E experts.
+    sf shared-expert ffn, V vocab, E experts; multi-latent attention: ql / kvl q / kv latent
+    ranks, kva kv latent + RoPE dim, qh heads x q head, kvb heads x (k + v head), o heads x v head.
 `{L}` is the layer (local index in mcore names, global in HF names); `{E}` the expert (local
 to the expert-parallel rank in mcore names, global in HF names).
 """
@@ -27,6 +28,7 @@ class Entry:
     shapes: tuple[tuple[str, ...], ...]
     expert: bool = False  # sharded over expert-tensor-parallel ranks, experts over EP
     export: bool = True  # False: the HF tensors are written by another entry (tied output)
+    dtype: Optional[str] = None  # stored in this safetensors dtype whatever the model's (e.g. "F32")
 
     def pattern(self) -> re.Pattern:
         text = re.escape(self.mcore).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
@@ -40,6 +42,10 @@ class Entry:
 TE_TO_LOCAL = (
     (re.compile(r"^(.*)self_attention\.linear_qkv\.layer_norm_weight$"), r"\1input_layernorm.weight"),
     (re.compile(r"^(.*)mlp\.linear_fc1\.layer_norm_weight$"), r"\1pre_mlp_layernorm.weight"),
+    (re.compile(r"^(.*)self_attention\.linear_q_up_proj\.layer_norm_weight$"),
+     r"\1self_attention.q_layernorm.weight"),
+    (re.compile(r"^(.*)self_attention\.linear_kv_up_proj\.layer_norm_weight$"),
+     r"\1self_attention.kv_layernorm.weight"),
     (re.compile(r"^(.*)mlp\.experts\.linear_fc(\d)\.weight(\d+)$"),
      r"\1mlp.experts.local_experts.\3.linear_fc\2.weight"),
 )
@@ -56,9 +62,15 @@ def local_name(name: str) -> str:
 
 def shape_symbols(cfg) -> dict[str, int]:
     groups = cfg.num_query_groups or cfg.num_attention_heads
-    return {
+    out = {
         "h": cfg.hidden_size, "q": cfg.num_attention_heads * cfg.head_dim,
         "kv": groups * cfg.head_dim, "d": cfg.head_dim, "f": cfg.ffn_hidden_size,
         "mf": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, "V": cfg.vocab_size,
-        "E": cfg.num_moe_experts or 0,
+        "E": cfg.num_moe_experts or 0, "sf": cfg.moe_shared_expert_intermediate_size or 0,
     }
+    if cfg.mla is not None:  # multi-latent attention: latent ranks and per-head q/k, v sizes
+        m, n = cfg.mla, cfg.num_attention_heads
+        out.update(ql=m.q_lora_rank or 0, qh=n * (m.qk_head_dim + m.qk_pos_emb_head_dim),
+                   kvl=m.kv_lora_rank, kva=m.kv_lora_rank + m.qk_pos_emb_head_dim,
+                   kvb=n * (m.qk_head_dim + m.v_head_dim), o=n * m.v_head_dim)
+    return out

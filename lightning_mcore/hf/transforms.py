@@ -158,3 +158,38 @@ class GateUp(Transform):
     def save(self, shards, names, dims):
         gate, up = gate_up_unshard(shards)
         return {names[0]: gate, names[1]: up}
+
+
+def rope_rows_order(block: int, rope: int) -> torch.Tensor:
+    """The HF row of each mcore row in one block whose last `rope` rows are RoPE'd: HF pairs
+    rows i and i + rope/2 (rotate-half), mcore's multi-latent attention rows 2i and 2i + 1."""
+    pairs = torch.arange(rope).view(2, rope // 2).t().reshape(-1)
+    return torch.cat([torch.arange(block - rope), block - rope + pairs])
+
+
+class RopeRows(Transform):
+    """A column-parallel weight of rows in blocks (one per head, or a single one) that end in a
+    RoPE part laid out for rotate-half (HF's `rope_interleave=False`), reordered for mcore's
+    multi-latent attention, which rotates interleaved pairs. Split over TP along dim 0."""
+
+    tp_dim = 0
+
+    def __init__(self, block: int, rope: int) -> None:
+        self.block, self.rope = block, rope
+        self.order = rope_rows_order(block, rope)
+
+    def _reorder(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        blocks = rows.reshape(-1, self.block, *rows.shape[1:])
+        return blocks[:, order].reshape(rows.shape)
+
+    def load(self, reader, names, rank, size, dims):
+        step = reader.shape(names[0])[0] // size
+        if step % self.block == 0:  # whole blocks per rank: read only this rank's
+            return self._reorder(reader.get(names[0], 0, rank * step, (rank + 1) * step), self.order)
+        return self._reorder(reader.get(names[0]), self.order)[rank * step:(rank + 1) * step]
+
+    def save(self, shards, names, dims):
+        return {names[0]: self._reorder(torch.cat(list(shards)), torch.argsort(self.order))}
+
+    def __repr__(self) -> str:
+        return f"RopeRows({self.block}, {self.rope})"

@@ -24,6 +24,9 @@ class MLAConfig:
     qk_pos_emb_head_dim: int  # per-head RoPE part (HF qk_rope_head_dim)
     v_head_dim: int
     q_lora_rank: Optional[int] = None  # None: queries projected directly from the hidden state
+    # How HF checkpoints order the RoPE rows of q/k weights: interleaved pairs (2i, 2i+1), as
+    # mcore rotates, or halves (i, i + d/2; HF's rope_interleave=False), reordered on load/export.
+    rope_interleave: bool = True
 
 
 @dataclass

@@ -29,14 +29,17 @@ ROPE_FACTORS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),  # multi-latent attention only
 }
+ROPE_OPTIONS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
 # ---------------------------------------------------------------- config.json -> GPTConfig
-def rope(hf: HFConfig, params: Optional[dict] = None) -> tuple[float, Optional[dict]]:
+def rope(hf: HFConfig, params: Optional[dict] = None,
+         kinds: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> tuple[float, Optional[dict]]:
     """(rope theta, HF-style scaling dict or None for plain RoPE), from transformers 5's
     `rope_parameters` (or `params`, one layer type's entry) or transformers 4's
-    `rope_theta` + `rope_scaling`."""
+    `rope_theta` + `rope_scaling`; `kinds`: the rope types the family computes."""
     if params is not None or "rope_parameters" in hf:  # transformers 5
         params = dict(params if params is not None else hf["rope_parameters"])
         field = "rope_parameters"
@@ -47,9 +50,8 @@ def rope(hf: HFConfig, params: Optional[dict] = None) -> tuple[float, Optional[d
         field = "rope_scaling"
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        hf.refuse(field, f"rope_type {kind!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+    if kind not in kinds:
+        hf.refuse(field, f"rope_type {kind!r} is not supported; supported: {', '.join(kinds)}.")
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         hf.refuse("partial_rotary_factor", "only 1 (RoPE on the whole head) is supported.")
     if theta != math.floor(theta):  # mcore's GPTModel takes rotary_base as an int
@@ -59,7 +61,8 @@ def rope(hf: HFConfig, params: Optional[dict] = None) -> tuple[float, Optional[d
         raise HFCheckpointError(f"{hf.source}: {field} ({kind}) lacks {', '.join(missing)}.")
     if kind == "default":
         return theta, None
-    return theta, {"rope_type": kind, **{k: params[k] for k in ROPE_FACTORS[kind]}}
+    options = {k: params[k] for k in ROPE_OPTIONS if params.get(k) is not None}
+    return theta, {"rope_type": kind, **{k: params[k] for k in ROPE_FACTORS[kind]}, **options}
 
 
 def refuse_unless(hf: HFConfig, field: str, allowed, why: str) -> None:
@@ -69,7 +72,8 @@ def refuse_unless(hf: HFConfig, field: str, allowed, why: str) -> None:
         hf.refuse(field, why)
 
 
-def decoder(hf: HFConfig, act: str = "silu", **fields) -> dict:
+def decoder(hf: HFConfig, act: str = "silu", rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES,
+            **fields) -> dict:
     """GPTConfig fields of a Llama-style decoder (GQA, RoPE, RMSNorm, gated MLP, no biases);
     `fields` add or replace (e.g. add_qkv_bias=True)."""
     refuse_unless(hf, "hidden_act", (act, None), f"only {act} is supported for this family.")
@@ -77,7 +81,7 @@ def decoder(hf: HFConfig, act: str = "silu", **fields) -> dict:
         hf.refuse("attention_bias", "attention projection biases (incl. o_proj) are not supported.")
     if hf.get("mlp_bias"):
         hf.refuse("mlp_bias", "MLP biases are not supported.")
-    theta, scaling = rope(hf)
+    theta, scaling = rope(hf, kinds=rope_types)
     heads = hf["num_attention_heads"]
     return dict(
         num_layers=hf["num_hidden_layers"],
@@ -128,7 +132,8 @@ VARIANT_FIELDS = (
 _DEFAULTS = GPTConfig()
 
 
-def expressible(cfg: GPTConfig, family: str, free: tuple[str, ...] = (), **fixed) -> None:
+def expressible(cfg: GPTConfig, family: str, free: tuple[str, ...] = (),
+                rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES, **fixed) -> None:
     """Refuse `cfg` unless each field in `fixed` has that value, and every other architecture
     variant but those in `free` is at its default: an export must describe the model trained."""
     for name in VARIANT_FIELDS:
@@ -137,7 +142,7 @@ def expressible(cfg: GPTConfig, family: str, free: tuple[str, ...] = (), **fixed
         value, want = getattr(cfg, name), fixed.get(name, getattr(_DEFAULTS, name))
         if value != want:
             raise HFCheckpointError(f"{family} needs GPTConfig.{name}={want!r}, got {value!r}.")
-    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") not in SUPPORTED_ROPE_TYPES:
+    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") not in rope_types:
         raise HFCheckpointError(f"rope_scaling {cfg.rope_scaling!r} is not supported.")
 
 
