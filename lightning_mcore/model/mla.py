@@ -17,6 +17,7 @@ import copy
 import math
 from typing import Iterator
 
+import torch
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from lightning_mcore.model.attention import SDPAttention
@@ -35,6 +36,8 @@ class LatentAttention(MLASelfAttention):
     def __init__(self, *args, **kwargs) -> None:
         with _te_flag_as_installed():
             super().__init__(*args, **kwargs)
+        if self.config.tensor_model_parallel_size > 1:
+            self.linear_kv_down_proj.register_forward_hook(_whole_kv_latent(self.config))
 
     def _resolve_qk_norm_config(self, submodules) -> dict:
         return dict(
@@ -59,6 +62,50 @@ def _te_flag_as_installed() -> Iterator[None]:
         yield
     finally:
         module.HAVE_TE = saved
+
+
+def _whole_kv_latent(config):
+    """mcore gathers the column-parallel kv down projection's output over TP and uses the RoPE
+    key part on every rank, each for its own heads: each rank's gradient of it holds only its
+    heads' share, and the gather's backward keeps only the rank's own columns, so the key RoPE
+    rows of the weight (and the layer input) miss the other ranks' heads. This hook gathers the
+    output itself, as a replicated down projection would give it (mcore's TE spec uses one), so
+    that mcore sums the RoPE key's gradient over TP: under sequence parallelism by gathering it
+    over the sequence (sequence shard out of here), else by the all-reduce added here."""
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    latent = config.kv_lora_rank
+
+    def hook(module, args, output):
+        out, bias = output
+        whole = gather_from_tensor_model_parallel_region(out)
+        if config.sequence_parallel:
+            return scatter_to_sequence_parallel_region(whole), bias
+        kv, k_rope = whole.split([latent, whole.shape[-1] - latent], dim=-1)
+        return torch.cat([kv, _SumGradOverTP.apply(k_rope)], dim=-1), bias
+
+    return hook
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over tensor-parallel ranks. (mcore's
+    copy_to_tensor_model_parallel_region does not for non-contiguous gradients, as a slice's
+    is: it all-reduces a contiguous copy and returns the original.)"""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        from megatron.core import parallel_state
+
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
