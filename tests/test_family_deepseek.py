@@ -3,16 +3,20 @@ multi-latent attention with q_lora_rank on and off, YaRN, rope_interleave on and
 first layer, shared experts, the sigmoid router with its bias, group-limited top-k and the
 routed scaling factor, against transformers' own classes (tiny random models, CPU, fp32)."""
 
+import json
+
+import lightning as L
 import pytest
 import torch
-import lightning as L
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from hf_models import hf_config_dict, hf_logits, make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule, models
+from lightning_mcore.model.lora import LoRAConfig
 from test_hf_roundtrip import SaveLogitsAndExport, tensors
-from toy import assemble, fit
+from test_lora import TOKENS, Probe
+from toy import TokenRows, assemble, fit
 
 LAYOUTS = {
     "tp1": (1, {}),
@@ -94,3 +98,54 @@ def test_training_at_tp2_follows_one_process(case, tmp_path):
     for key, full in ref_end.items():
         assert not torch.equal(full, ref_init[key]), f"{key} was not trained"
         torch.testing.assert_close(end[key], full, rtol=0, atol=1e-5, msg=key)
+
+
+LORA_TARGETS = {  # the MLA linears by HF name, and linear_q_proj by its mcore name (q_proj would
+    # name GQA's fused linear_qkv)
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "deepseek_v3_noq": ["linear_q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
+
+
+def mla_lora_parameters(c, targets, r: int) -> int:
+    """r x (in + out) for each adapted linear of every layer."""
+    q, h = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.hidden_size
+    sizes = {"q_a_proj": (h, c.q_lora_rank), "q_b_proj": (c.q_lora_rank, q), "linear_q_proj": (h, q),
+             "kv_a_proj_with_mqa": (h, c.kv_lora_rank + c.qk_rope_head_dim),
+             "kv_b_proj": (c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)),
+             "o_proj": (c.num_attention_heads * c.v_head_dim, h)}
+    return c.num_hidden_layers * r * sum(sum(sizes[t]) for t in targets)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", list(LORA_TARGETS))
+def test_lora_on_attention_exports_a_peft_adapter_at_tp2(family, tmp_path):
+    """Adapters on the MLA linears at TP=2 (+SP), trained 3 steps: the PEFT export loads in peft
+    with the mcore model's logits, the merged export equals peft's merge, and the base model,
+    the routing bias included, is untouched."""
+    from peft import PeftModel
+
+    source = tmp_path / "source"
+    hf = make_hf_model(family, source)
+    lora = LoRAConfig(target_modules=LORA_TARGETS[family], rank=4, alpha=8.0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(tmp_path)],
+        strategy=MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True,
+                                  global_batch_size=4, micro_batch_size=2, start_method="fork"),
+    )
+    module = PretrainModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0), lora=lora)
+    trainer.fit(module, DataLoader(TokenRows(n=16, seq=16, vocab=200), batch_size=4))
+
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    assert facts["base_unchanged"]
+    assert facts["trainable"] == mla_lora_parameters(hf.config, LORA_TARGETS[family], 4)
+    mcore = torch.load(tmp_path / "logits.pt")
+    assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
+    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
+    merged_ref = peft_model.merge_and_unload().state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    for name, tensor in merged_ref.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)

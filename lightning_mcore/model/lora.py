@@ -37,8 +37,25 @@ TARGETS = {
     "linear_proj": ("row", ("o_proj",)),
     "linear_fc1": ("column", ("gate_proj", "up_proj")),
     "linear_fc2": ("row", ("down_proj",)),
+    # multi-latent attention (DeepSeek); its q_proj (no q_lora_rank) is "linear_q_proj" by name
+    "linear_q_proj": ("column", ("q_proj",)),
+    "linear_q_down_proj": ("column", ("q_a_proj",)),
+    "linear_q_up_proj": ("column", ("q_b_proj",)),
+    "linear_kv_down_proj": ("column", ("kv_a_proj_with_mqa",)),
+    "linear_kv_up_proj": ("column", ("kv_b_proj",)),
 }
-HF_TO_MCORE = {hf: name for name, (_, hfs) in TARGETS.items() for hf in hfs}
+
+
+def _hf_to_mcore() -> dict[str, str]:
+    """An HF name's module: the first in TARGETS that has it (q_proj: linear_qkv)."""
+    out: dict[str, str] = {}
+    for name, (_, hfs) in TARGETS.items():
+        for hf in hfs:
+            out.setdefault(hf, name)
+    return out
+
+
+HF_TO_MCORE = _hf_to_mcore()
 
 
 class LoRAError(ValueError):
@@ -48,7 +65,8 @@ class LoRAError(ValueError):
 @dataclass(frozen=True)
 class LoRAConfig:
     """`target_modules`: "all-linear", or mcore names (linear_qkv, linear_proj, linear_fc1,
-    linear_fc2) and/or HF names (q_proj, ..., down_proj; fused ones come together)."""
+    linear_fc2; MLA: linear_q_proj, linear_q_down_proj, ...) and/or HF names (q_proj, ...,
+    down_proj, q_a_proj, ...; fused ones come together)."""
 
     target_modules: Union[str, tuple[str, ...], list[str]] = "all-linear"
     rank: int = 8
@@ -161,11 +179,18 @@ def base_path(name: str) -> str:
 
 
 def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -> None:
-    """Freeze every base parameter and attach adapters to the targeted layers."""
+    """Freeze every base parameter (and MoE routing bias) and attach adapters to the targeted
+    layers."""
     targets = resolve_targets(lora.target_modules)
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
+        for module in chunk.modules():
+            if getattr(module, "expert_bias", None) is not None:
+                # mcore moves the aux-loss-free routing bias by token counts after each step,
+                # outside the optimizer; a PEFT adapter could not carry that change.
+                module.frozen_expert_bias = True  # mcore >= 0.19
+                module.enable_expert_bias = False  # 0.16: no counts, so no change
         adapters = LoRAAdapters()
         for layer in chunk.decoder.layers:
             for path, module in layer.named_modules():
@@ -198,7 +223,8 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     fused_norm = hasattr(module, "return_layernorm_output")  # TE LayerNorm+Linear
     if fused_norm:
         module.return_layernorm_output = True
-    module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True)
+    # Before any hook the model itself put there (MLA's kv down projection gathers its output).
+    module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True, prepend=True)
 
 
 def _hook(adapter: LoRAAdapter, fused_norm: bool):
