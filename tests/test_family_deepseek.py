@@ -13,7 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from hf_models import hf_config_dict, hf_logits, make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule, models
+from lightning_mcore.cli import main
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.hf.mappings import local_name
+from lightning_mcore.hf.transforms import RopeRows
 from lightning_mcore.model.lora import LoRAConfig
+from test_bad_inputs import error_line, write_config
 from test_hf_roundtrip import SaveLogitsAndExport, tensors
 from test_lora import TOKENS, Probe
 from toy import TokenRows, assemble, fit
@@ -149,3 +154,88 @@ def test_lora_on_attention_exports_a_peft_adapter_at_tp2(family, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
     for name, tensor in merged_ref.items():
         torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+YARN = hf_config_dict("deepseek_v3")["rope_parameters"]
+REFUSED = [  # (tiny model, config.json changes, the field named, what the message says)
+    ("deepseek_v3", dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1",
+     "set num_nextn_predict_layers to 0"),
+    ("deepseek_v3", dict(norm_topk_prob=False), "norm_topk_prob=False", "renormalises"),
+    ("deepseek_v3", dict(n_group=4, topk_group=2), "topk_group=2", "num_experts_per_tok / topk_group = 2"),
+    ("deepseek_v3", dict(n_group=3), "n_group=3", "do not split"),
+    ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func='softmax'", "sigmoid"),
+    ("deepseek_v3", dict(topk_method="group_limited_greedy"), "topk_method", "noaux_tc"),
+    ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads=2", "one key/value head"),
+    ("deepseek_v3", dict(attention_bias=True), "attention_bias=True", "biases"),
+    ("deepseek_v3", dict(moe_layer_freq=2), "moe_layer_freq=2", "every layer after the dense"),
+    ("deepseek_v3", dict(rope_parameters=dict(YARN, rope_type="llama3", low_freq_factor=1.0,
+                                              high_freq_factor=4.0)), "rope_parameters", "'llama3'"),
+    ("deepseek_v3", dict(rope_parameters=dict(YARN, mscale=None)), "rope_parameters",
+     "mscale_all_dim=0.8 and no mscale"),
+    ("deepseek_v3", dict(rope_parameters=dict(YARN, attention_factor=1.5)), "rope_parameters",
+     "attention_factor"),
+    ("deepseek_v3", dict(rope_parameters=dict(YARN, truncate=False)), "rope_parameters", "truncate"),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=2, topk_group=1), "topk_method",
+     "'greedy'"),
+]
+
+
+@pytest.mark.parametrize("name,changes,field,why", REFUSED, ids=[r[2].split("=")[0] + "-" + r[0] for r in REFUSED])
+def test_unsupported_variants_are_refused_by_name(name, changes, field, why):
+    config = {**hf_config_dict(name), **changes}
+    with pytest.raises(HFCheckpointError) as info:
+        models.gpt_config_from_hf(config)
+    assert field in str(info.value) and why in str(info.value), str(info.value)
+
+
+def test_q_lora_rank_absent_is_refused_not_guessed():
+    config = hf_config_dict("deepseek_v3")
+    del config["q_lora_rank"]  # transformers would fill in DeepSeek-V3's 1536
+    with pytest.raises(HFCheckpointError, match="q_lora_rank=None: not in config.json"):
+        models.gpt_config_from_hf(config)
+
+
+def test_mtp_checkpoint_is_refused_before_launch(capsys, monkeypatch, tmp_path):
+    """The CLI names the field in one error line and starts nothing."""
+    source = tmp_path / "source"
+    make_hf_model("deepseek_v3", source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: pytest.fail("Trainer.fit ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", write_config(tmp_path, model=str(source))])
+    line = error_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2
+    assert "num_nextn_predict_layers=1" in line and "set num_nextn_predict_layers to 0" in line, line
+
+
+def test_te_spec_names_of_the_mla_norms_map_to_the_local_ones():
+    assert local_name("decoder.layers.2.self_attention.linear_q_up_proj.layer_norm_weight") == \
+        "decoder.layers.2.self_attention.q_layernorm.weight"
+    assert local_name("decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight") == \
+        "decoder.layers.0.self_attention.kv_layernorm.weight"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_rope_rows_reorder_halves_to_pairs_and_back(tp):
+    """HF rotate-half rows (pairs i, i + d/2) become mcore's interleaved pairs (2i, 2i + 1) in
+    every block; each TP rank reads its slice of the reordered rows; saving undoes it."""
+    block, rope, blocks = 6, 4, 4  # per block: 2 rows without RoPE, then a0 a1 b0 b1
+    hf = torch.arange(block * blocks * 3, dtype=torch.float32).reshape(block * blocks, 3)
+    want = torch.cat([torch.cat([b[:2], b[[2, 4, 3, 5]]]) for b in hf.split(block)])
+    reader = _Reader({"w": hf})
+    transform = RopeRows(block, rope)
+    shards = [transform.load(reader, ["w"], r, tp, None) for r in range(tp)]
+    assert torch.equal(torch.cat(shards), want)
+    assert torch.equal(transform.save(shards, ["w"], None)["w"], hf)
+
+
+class _Reader:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def get(self, name, dim=0, start=None, stop=None):
+        return self.tensors[name].narrow(dim, start or 0, (stop or self.tensors[name].shape[dim]) - (start or 0))
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)

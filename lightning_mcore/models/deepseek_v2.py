@@ -41,8 +41,8 @@ class DeepseekV2(Architecture):
     def attention(self, hf: HFConfig) -> dict:
         heads = hf["num_attention_heads"]
         if "q_lora_rank" not in hf.data:
-            hf.refuse("q_lora_rank", "missing: give the query latent rank, or null for queries "
-                                     "projected directly from the hidden state.")
+            hf.refuse("q_lora_rank", "not in config.json; set it to the query latent rank, or to "
+                                     "null when queries are projected from the hidden state.")
         parts.refuse_unless(hf, "num_key_value_heads", (heads, None),
                             "multi-latent attention has one key/value head per query head.")
         parts.refuse_unless(hf, "num_nextn_predict_layers", (0, None),
