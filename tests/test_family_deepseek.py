@@ -17,10 +17,12 @@ from lightning_mcore.cli import main
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import local_name
 from lightning_mcore.hf.transforms import RopeRows
+from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.model.lora import LoRAConfig
 from test_bad_inputs import error_line, write_config
 from test_hf_roundtrip import SaveLogitsAndExport, tensors
 from test_lora import TOKENS, Probe
+from test_throughput import counted_training_flops
 from toy import TokenRows, assemble, fit
 
 LAYOUTS = {
@@ -239,3 +241,28 @@ class _Reader:
 
     def shape(self, name):
         return tuple(self.tensors[name].shape)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2"])
+def test_config_json_round_trip(name):
+    """A model's GPTConfig picks its DeepSeek version and writes a config.json (through
+    transformers' own config class) that reads back as the same GPTConfig."""
+    cfg, family = models.gpt_config_from_hf(hf_config_dict(name))
+    assert models.family_of(cfg) == family == name.removesuffix("_noq")
+    written = models.hf_config_dict_from_gpt(cfg, family, max_position_embeddings=256)
+    assert written["num_nextn_predict_layers" if family == "deepseek_v3" else "first_k_dense_replace"] \
+        == (0 if family == "deepseek_v3" else 1)
+    assert models.gpt_config_from_hf(written) == (cfg, family)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_noq"])
+def test_flops_per_token_equal_torch_flop_counter(name, tmp_path):
+    """MLA's projections and QK^T / AV over unequal head dims, a dense first layer, routed and
+    shared experts: the MFU numerator equals what torch counts on transformers' model."""
+    hf = make_hf_model(name, tmp_path)
+    cfg, _ = models.gpt_config_from_hf(tmp_path)
+    hf.config._attn_implementation = "eager"  # explicit matmuls over the full s x s scores
+    hf.config._experts_implementation = "eager"  # a loop of per-expert linears on routed tokens
+    seq = 64
+    expected = counted_training_flops(hf.train(), seq)
+    assert training_flops_per_token(cfg, seq) == pytest.approx(expected, rel=1e-9)

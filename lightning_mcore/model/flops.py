@@ -17,13 +17,28 @@ def forward_flops_per_token(cfg: GPTConfig, seq_length: int) -> float:
     q = cfg.num_attention_heads * cfg.head_dim
     kv = (cfg.num_query_groups or cfg.num_attention_heads) * cfg.head_dim
     attention = h * (q + 2 * kv) + q * h + 2 * seq_length * q  # qkv (GQA), proj, QK^T and AV
-    if cfg.num_moe_experts:
-        expert = 3 * h * (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)  # SwiGLU: gate, up, down
-        shared = 3 * h * (cfg.moe_shared_expert_intermediate_size or 0)
-        mlp = h * cfg.num_moe_experts + cfg.moe_router_topk * expert + shared
-    else:
-        mlp = 3 * h * cfg.ffn_hidden_size
-    return 2.0 * (cfg.num_layers * (attention + mlp) + h * cfg.vocab_size)  # + LM head
+    if cfg.mla is not None:
+        attention = _latent_attention(cfg, seq_length)
+    dense = 3 * h * cfg.ffn_hidden_size  # SwiGLU: gate, up, down
+    mlp = 0.0
+    for layer in range(cfg.num_layers):
+        if cfg.is_moe_layer(layer):
+            expert = 3 * h * (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
+            shared = 3 * h * (cfg.moe_shared_expert_intermediate_size or 0)
+            mlp += h * cfg.num_moe_experts + cfg.moe_router_topk * expert + shared
+        else:
+            mlp += dense
+    return 2.0 * (cfg.num_layers * attention + mlp + h * cfg.vocab_size)  # + LM head
+
+
+def _latent_attention(cfg: GPTConfig, seq_length: int) -> float:
+    """Multi-latent attention: down and up projections, output, QK^T (q/k heads of nope + rope
+    dims) and AV (v heads)."""
+    m, h, n = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
+    q = n * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+    queries = h * q if m.q_lora_rank is None else m.q_lora_rank * (h + q)
+    keys_values = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim)
+    return queries + keys_values + n * m.v_head_dim * (h + seq_length) + seq_length * q
 
 
 def training_flops_per_token(cfg: GPTConfig, seq_length: int, frozen_base: bool = False) -> float:
