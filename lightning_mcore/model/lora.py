@@ -198,7 +198,8 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     fused_norm = hasattr(module, "return_layernorm_output")  # TE LayerNorm+Linear
     if fused_norm:
         module.return_layernorm_output = True
-    module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True)
+    # First among the linear's hooks: a post norm hook (model/post_norm.py) normalises W x + B A x.
+    module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True, prepend=True)
 
 
 def _hook(adapter: LoRAAdapter, fused_norm: bool):
