@@ -21,6 +21,12 @@ FAMILIES = {
     "mistral": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
     "qwen3_moe": lambda: (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    # local and global layers on both PP=2 stages; head_dim and query_pre_attn_scalar differ
+    "gemma3": lambda: (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(
+        head_dim=24, query_pre_attn_scalar=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
 }
 
 
