@@ -132,8 +132,9 @@ def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
     its `main_grad`), as MegatronStrategy does. Returns the number of layers switched."""
     switched = 0
     for module in model.modules():
-        if hasattr(module, "fuse_wgrad_accumulation") and type(module).__module__.startswith(
-            ("transformer_engine", "megatron.core.extensions.transformer_engine")
+        if hasattr(module, "fuse_wgrad_accumulation") and any(  # subclasses too (post norms)
+            c.__module__.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine"))
+            for c in type(module).__mro__
         ):
             module.fuse_wgrad_accumulation = True
             switched += 1
