@@ -81,22 +81,24 @@ def test_training_steps_at_tp2_sp_equal_tp1(tmp_path):
     source = tmp_path / "source"
     make_hf_model("gemma3", source)
     runs = {}
-    for name, devices, parallel in (("tp1", 1, {}), ("tp2_sp", 2, dict(
-            tensor_model_parallel_size=2, sequence_parallel=True))):
+    for name, devices, overrides, parallel in (
+            ("tp1", 1, {}, {}),
+            ("tp2_sp", 2, {}, dict(tensor_model_parallel_size=2, sequence_parallel=True))):
         losses = fit(tmp_path, devices=devices, config=str(source), dump_weights=True, name=name,
                      dataset=TokenRows(seq=SEQ, vocab=200), optim=OptimizerSettings(
                          lr=0.1, optimizer="sgd", warmup_steps=0),
-                     module_kwargs={"model_overrides": {"seq_length": SEQ}}, **parallel)
+                     module_kwargs={"model_overrides": {"seq_length": SEQ, **overrides}}, **parallel)
         runs[name] = losses, assemble(sorted(tmp_path.glob(f"{name}.end*.pt")))
-    (ref_losses, ref_trained), (losses, trained) = runs["tp1"], runs["tp2_sp"]
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
-        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {losses} vs {ref_losses}"
+    ref_losses, ref_trained = runs.pop("tp1")
     initial = assemble(sorted(tmp_path.glob("tp1.init*.pt")))
     post_norm = "decoder.layers.self_attention.linear_proj.post_layernorm.weight"
     assert not torch.equal(ref_trained[post_norm], initial[post_norm])
-    assert trained.keys() == ref_trained.keys()
-    for key, full in ref_trained.items():
-        torch.testing.assert_close(trained[key], full, rtol=0, atol=1e-5, msg=key)
+    for name, (losses, trained) in runs.items():
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{name} step {step}: {losses} vs {ref_losses}"
+        assert trained.keys() == ref_trained.keys()
+        for key, full in ref_trained.items():
+            torch.testing.assert_close(trained[key], full, rtol=0, atol=1e-5, msg=f"{name} {key}")
 
 
 @pytest.mark.distributed
