@@ -127,6 +127,17 @@ class GPTConfig:
         return accelerator == "gpu" and te_available()
 
 
+def refuse_longer(seq: int, seq_length: int, what: str) -> None:
+    """Refuse sequences longer than the model's seq_length: beyond it the model computes
+    something else than it was configured for (positions past max_position_embeddings)
+    without any error."""
+    if seq > seq_length:
+        raise ValueError(
+            f"{what} have {seq} tokens, more than the model's seq_length={seq_length}: "
+            f"shorten them (or raise the model's seq_length, where the model allows it)."
+        )
+
+
 ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
