@@ -10,15 +10,25 @@ import dataclasses
 import lightning as L
 import pytest
 import torch
+from megatron.core.transformer.utils import is_layer_window_attention
 from torch.utils.data import DataLoader
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 from hf_models import hf_logits, make_hf_model
-from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
+from lightning_mcore import (
+    BatchConfig,
+    LayoutError,
+    MegatronStrategy,
+    OptimizerSettings,
+    ParallelConfig,
+    PretrainModule,
+)
 from lightning_mcore.data.packing import build_row, pack
 from lightning_mcore.hf.config import gpt_config_from_hf
+from lightning_mcore.model.config import to_transformer_config
 from lightning_mcore.model.packing import block_causal_mask, causal_mask
 from lightning_mcore.objectives.sft import SFTModule
+from lightning_mcore.strategy.parallel import validate_layout
 from toy import assemble, fit, tiny_config
 
 WINDOW, TOKENS = 8, 32  # inputs 4x the window
@@ -39,7 +49,36 @@ def test_masks_follow_transformers_rule():
     cu = torch.tensor([0, 12, 15, 32], dtype=torch.int32)
     blocks = torch.block_diag(*(causal_mask(n, n, WINDOW).int() for n in lengths)).bool()
     assert torch.equal(block_causal_mask(cu, WINDOW), blocks)
-    assert torch.equal(block_causal_mask(cu), torch.block_diag(*(causal_mask(n, n).int() for n in lengths)).bool())
+    causal_blocks = torch.block_diag(*(causal_mask(n, n).int() for n in lengths)).bool()
+    assert torch.equal(block_causal_mask(cu), causal_blocks)
+
+
+def test_mcore_window_settings():
+    """What TE's attention on GPU reads: window_size=(W-1, 0), whose rule (keys q - left <= k
+    <= q + right, TE's docs) is transformers'; windowed layers by global layer number; nothing
+    when no input can be longer than the window."""
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    cfg = tiny_config(seq_length=TOKENS, sliding_window=WINDOW, layer_types=types)
+    tf = to_transformer_config(cfg, ParallelConfig(), torch.float32, on_cpu=True, use_te=False)
+    left, right = tf.window_size
+    q, k = torch.arange(TOKENS)[:, None], torch.arange(TOKENS)[None, :]
+    assert torch.equal((k >= q - left) & (k <= q + right), causal_mask(TOKENS, TOKENS, WINDOW))
+    assert [is_layer_window_attention(tf.window_size, tf.window_attn_skip_freq, n)
+            for n in range(1, 5)] == [False, True, True, False]
+    short = to_transformer_config(dataclasses.replace(cfg, seq_length=WINDOW), ParallelConfig(),
+                                  torch.float32, on_cpu=True, use_te=False)
+    assert short.window_size is None
+
+
+def test_context_parallel_with_a_window_is_refused():
+    """TE's ring attention (cp_comm_type p2p) asserts on windows inside every rank."""
+    cp = ParallelConfig(context_parallel_size=2)
+    with pytest.raises(LayoutError, match="context_parallel_size=2 with sliding-window") as info:
+        validate_layout(2, cp, BatchConfig(8, 1), tiny_config(sliding_window=WINDOW), "gpu", True)
+    assert info.value.options == ("context_parallel_size",)
+    # a window no shorter than seq_length changes nothing: no window reaches TE
+    covered = tiny_config(seq_length=WINDOW, sliding_window=WINDOW)
+    validate_layout(2, cp, BatchConfig(8, 1), covered, "gpu", True)
 
 
 class SaveLogits(L.Callback):
