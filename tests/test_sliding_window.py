@@ -1,8 +1,9 @@
 """Acceptance (sliding windows): windowed layers attend to the last W keys as transformers'
 do (q - W < k <= q), at inputs 4x the window: logits equal transformers' at TP=1, TP=2+SP and
-PP=2 (Mistral: every layer windowed; Qwen2: full and windowed layers mixed), and a packed SFT
-batch equals the same samples one per row. The local spec (SDPAttention) is what runs on CPU;
-TE's windowed attention on GPU reads the same mcore window_size.
+PP=2 (Mistral, Qwen3-MoE: every layer windowed; Qwen2: full and windowed layers mixed);
+config.json is read (and written) as transformers reads it; a packed SFT batch equals the same
+samples one per row. The local spec (SDPAttention) is what runs on CPU; TE's windowed attention
+on GPU reads the same mcore window_size.
 """
 
 import dataclasses
@@ -10,6 +11,7 @@ import dataclasses
 import lightning as L
 import pytest
 import torch
+import transformers as tf
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch.utils.data import DataLoader
 from transformers.masking_utils import sliding_window_causal_mask_function
@@ -24,9 +26,9 @@ from lightning_mcore import (
     PretrainModule,
 )
 from lightning_mcore.data.packing import build_row, pack
-from lightning_mcore.hf.config import gpt_config_from_hf
 from lightning_mcore.model.config import to_transformer_config
 from lightning_mcore.model.packing import block_causal_mask, causal_mask
+from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
 from lightning_mcore.objectives.sft import SFTModule
 from lightning_mcore.strategy.parallel import validate_layout
 from toy import assemble, fit, tiny_config
@@ -81,6 +83,61 @@ def test_context_parallel_with_a_window_is_refused():
     validate_layout(2, cp, BatchConfig(8, 1), covered, "gpu", True)
 
 
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+CONFIGS = {  # config.json variants: (transformers config class, architecture, fields)
+    "mistral": (tf.MistralConfig, "MistralForCausalLM", dict(sliding_window=8)),
+    "mistral_none": (tf.MistralConfig, "MistralForCausalLM", dict(sliding_window=None)),
+    # a Qwen2.5 config.json: a window that transformers drops without use_sliding_window
+    "qwen2_off": (tf.Qwen2Config, "Qwen2ForCausalLM", dict(
+        use_sliding_window=False, sliding_window=8, max_window_layers=1)),
+    "qwen2_from_max_window_layers": (tf.Qwen2Config, "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen2_layer_types": (tf.Qwen2Config, "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])),
+    "qwen3": (tf.Qwen3Config, "Qwen3ForCausalLM", dict(
+        head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=3)),
+    "qwen3_moe": (tf.Qwen3MoeConfig, "Qwen3MoeForCausalLM", dict(
+        head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=3, **QWEN_MOE)),
+    "qwen3_moe_off": (tf.Qwen3MoeConfig, "Qwen3MoeForCausalLM", dict(
+        head_dim=16, use_sliding_window=False, sliding_window=8, **QWEN_MOE)),
+}
+
+
+def transformers_windows(config) -> list:
+    """Each layer's window as transformers' model applies it: by layer_types where the model
+    has them (Qwen2, Qwen3), else config.sliding_window on every layer (Mistral, Qwen3-MoE)."""
+    if getattr(config, "layer_types", None) is not None and not isinstance(config, tf.Qwen3MoeConfig):
+        return [config.sliding_window if t == "sliding_attention" else None for t in config.layer_types]
+    return [config.sliding_window] * config.num_hidden_layers
+
+
+def our_windows(cfg) -> list:
+    return [cfg.sliding_window if cfg.is_window_layer(i) else None for i in range(cfg.num_layers)]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_windows_read_from_config_json_as_transformers_does(name):
+    cls, arch, fields = CONFIGS[name]
+    config = cls(**TINY, **fields, architectures=[arch])
+    cfg, family = gpt_config_from_hf(config.to_dict(), seq_length=TOKENS)
+    assert our_windows(cfg) == transformers_windows(config)
+    # and what an export writes reads back to the same windows, in transformers too
+    written = hf_config_dict_from_gpt(cfg, family)
+    assert our_windows(gpt_config_from_hf(written, seq_length=TOKENS)[0]) == our_windows(cfg)
+    assert transformers_windows(cls(**written)) == our_windows(cfg)
+
+
+def test_window_layer_types_of_another_length_are_refused():
+    config = tf.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8,
+                            architectures=["Qwen2ForCausalLM"]).to_dict()
+    config["layer_types"] = ["sliding_attention"] * 3
+    with pytest.raises(ValueError, match="layer_types=.*3 entries for num_hidden_layers=4"):
+        gpt_config_from_hf(config)
+
+
 class SaveLogits(L.Callback):
     def __init__(self, out) -> None:
         self.out = out
@@ -90,24 +147,13 @@ class SaveLogits(L.Callback):
             torch.save(outputs, self.out)
 
 
-def windowed_module(source, hf) -> PretrainModule:
-    """PretrainModule on the HF model in `source`, windowed as transformers' model `hf` is."""
-    plain = {**hf.config.to_dict(), "sliding_window": None, "use_sliding_window": False, "layer_types": None}
-    cfg, family = gpt_config_from_hf(plain, seq_length=TOKENS)
-    cfg = dataclasses.replace(cfg, sliding_window=hf.config.sliding_window,
-                              layer_types=getattr(hf.config, "layer_types", None))
-    module = PretrainModule(cfg)
-    module.hf_path, module.hf_family = str(source), family
-    return module
-
-
 LAYOUTS = {
     "tp1": (1, {}),
     "tp2sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
 }
 CASES = [("mistral_window", "tp1"), ("mistral_window", "tp2sp"), ("qwen2_window", "tp2sp"),
-         ("qwen2_window", "pp2")]
+         ("qwen2_window", "pp2"), ("qwen3_moe_window", "tp1")]
 
 
 @pytest.mark.distributed
@@ -134,7 +180,7 @@ def test_logits_match_transformers_beyond_the_window(family, layout, tmp_path):
         strategy=MegatronStrategy(global_batch_size=2, start_method="fork", **parallel),
         callbacks=[SaveLogits(out)],
     )
-    trainer.predict(windowed_module(source, hf), DataLoader([{"tokens": t} for t in tokens], batch_size=2))
+    trainer.predict(PretrainModule(str(source)), DataLoader([{"tokens": t} for t in tokens], batch_size=2))
     logits = torch.load(out)
     assert logits.shape == expected.shape
     assert (logits - expected).abs().max().item() <= 1e-4
