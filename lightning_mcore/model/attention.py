@@ -71,8 +71,9 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention takes no attention_bias; use the Transformer Engine spec.")
         mask = None if attention_mask is None else ~attention_mask
         if packed_seq_params is not None:
-            # THD: [t, heads, d] holding several sequences; attend within each, causally. The
-            # [t, t] mask is fine for the CPU/local path; on GPU, TE's THD kernels do this.
+            # THD: [t, heads, d] holding several sequences; attend within each, causally (and
+            # within the window on a windowed layer). The [t, t] mask is fine for the CPU/local
+            # path; on GPU, TE's THD kernels do this.
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
             mask = block_causal_mask(packed_seq_params.cu_seqlens_q, self.window)
         sq, b = query.shape[:2]

@@ -8,7 +8,8 @@ through the model as one THD row of B*S tokens, cut into sequences by `cu_seqlen
 
 Each row's padding is a sequence of its own (it carries no loss). mcore applies RoPE per
 sequence (positions restart), Transformer Engine's attention takes THD with cu_seqlens, and
-on the local spec SDPAttention turns cu_seqlens into a block-diagonal causal mask.
+on the local spec SDPAttention turns cu_seqlens into a block-diagonal causal mask (a sliding
+window, where a layer has one, applies within each sequence).
 """
 
 from __future__ import annotations
