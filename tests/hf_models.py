@@ -19,6 +19,12 @@ FAMILIES = {
     "qwen2": lambda: (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict()),
     "qwen3": lambda: (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=24)),
     "mistral": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
+    "mistral_window": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=8)),
+    "qwen2_window": lambda: (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(
+        use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    "qwen3_moe_window": lambda: (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        use_sliding_window=True, sliding_window=8)),
     "qwen3_moe": lambda: (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
 }

@@ -15,7 +15,7 @@ Sharding at a glance (tensor-parallel dim, stated by each transform in hf/transf
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import Entry
@@ -96,6 +96,17 @@ def decoder(hf: HFConfig, act: str = "silu", **fields) -> dict:
     ) | fields
 
 
+def sliding_window(hf: HFConfig, windowed: Callable[[int], bool]) -> dict:
+    """GPTConfig sliding_window and layer_types: config.json's `sliding_window` on the layers its
+    `layer_types` names or, where it has none, on each layer i with windowed(i)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if windowed(i) else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        hf.refuse("layer_types", f"{len(types)} entries for num_hidden_layers={layers}.")
+    return dict(sliding_window=hf["sliding_window"], layer_types=list(types))
+
+
 def num_experts(hf: HFConfig) -> int:
     """transformers 4 writes num_experts, transformers 5 num_local_experts."""
     if "num_experts" not in hf and "num_local_experts" not in hf:
@@ -161,6 +172,19 @@ def decoder_hf(cfg: GPTConfig, act: str = "silu") -> dict:
         rope_theta=float(cfg.rotary_base),
         rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
     )
+
+
+def sliding_window_hf(cfg: GPTConfig) -> dict:
+    """transformers config kwargs of a Qwen-style window (use_sliding_window, sliding_window,
+    layer_types; max_window_layers too where the windowed layers are the last ones)."""
+    if cfg.sliding_window is None:
+        return {}
+    types = list(cfg.layer_types or ["sliding_attention"] * cfg.num_layers)
+    full = types.count("full_attention")
+    out = dict(use_sliding_window=True, sliding_window=cfg.sliding_window, layer_types=types)
+    if types == ["full_attention"] * full + ["sliding_attention"] * (len(types) - full):
+        out["max_window_layers"] = full
+    return out
 
 
 def moe_hf(cfg: GPTConfig) -> dict:
