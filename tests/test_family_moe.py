@@ -13,14 +13,21 @@ import json
 import lightning as L
 import pytest
 import torch
+import transformers as tf
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_models import hf_logits, make_hf_model
-from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
+from hf_models import COMMON, FAMILIES, hf_logits, make_hf_model
+from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings, PretrainModule
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.models import family_of, gpt_config_from_hf, hf_config_dict_from_gpt
 from test_lora import TOKENS, Probe, tensors
+from test_throughput import counted_training_flops
 from toy import TokenRows, assemble, fit
+
+CONFIGS = ["mixtral", "qwen2_moe", "qwen2_moe_step"]
 
 LAYOUTS = {
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
@@ -105,3 +112,93 @@ def test_lora_on_attention_exports_a_peft_adapter(family, tmp_path):
     assert merged.keys() == merged_ref.keys()
     for name, tensor in merged_ref.items():
         torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+# --- config.json <-> GPTConfig ----------------------------------------------------------------
+
+
+def hf_dict(name: str, **kw) -> dict:
+    config_cls, model_cls, extra = FAMILIES[name]()
+    return config_cls(**{**COMMON, **extra, **kw}, architectures=[model_cls.__name__]).to_dict()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fields_match_the_model_transformers_builds(name, tmp_path):
+    ref = make_hf_model(name, tmp_path)  # the independent reference: transformers' own layers
+    cfg, family = gpt_config_from_hf(tmp_path)
+    assert family == ref.config.model_type
+    layers = ref.model.layers
+    assert cfg.add_qkv_bias == (layers[0].self_attn.q_proj.bias is not None)
+    assert [cfg.is_moe_layer(i) for i in range(len(layers))] == [hasattr(x.mlp, "experts") for x in layers]
+    assert any(not hasattr(x.mlp, "experts") for x in layers) == (name != "mixtral")
+    for layer in layers:
+        mlp = layer.mlp
+        if not hasattr(mlp, "experts"):
+            assert cfg.ffn_hidden_size == mlp.gate_proj.out_features
+            continue
+        assert cfg.num_moe_experts == mlp.gate.num_experts == mlp.experts.num_experts
+        assert cfg.moe_router_topk == mlp.gate.top_k
+        assert cfg.moe_ffn_hidden_size == mlp.experts.intermediate_dim
+        # Mixtral always renormalises the top-k probabilities (no norm_topk_prob field).
+        assert cfg.moe_router_pre_softmax == (not getattr(mlp.gate, "norm_topk_prob", True))
+        shared = getattr(mlp, "shared_expert", None)
+        assert cfg.moe_shared_expert_intermediate_size == (shared.gate_proj.out_features if shared else None)
+        assert cfg.moe_shared_expert_gate == hasattr(mlp, "shared_expert_gate")
+
+
+def v4_style(hf5: dict) -> dict:
+    """The config as transformers 4 wrote it: rope_theta, and no qkv_bias or layer_types."""
+    hf = {k: v for k, v in hf5.items() if k not in ("qkv_bias", "layer_types")}
+    hf["rope_theta"] = hf.pop("rope_parameters")["rope_theta"]
+    return hf
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_transformers4_configs_and_export_round_trip(name, tmp_path):
+    hf = hf_dict(name)
+    cfg, family = gpt_config_from_hf(hf)
+    assert gpt_config_from_hf(v4_style(hf)) == (cfg, family)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict_from_gpt(cfg, family)))
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == type(AutoConfig.for_model(family)).__name__
+    assert gpt_config_from_hf(tmp_path) == (cfg, family)
+
+
+def test_models_built_from_scratch_export_as_the_family_that_expresses_them():
+    moe = dict(num_moe_experts=4, moe_ffn_hidden_size=256)  # ffn_hidden_size is 256
+    assert family_of(GPTConfig(**moe)) == "mixtral"
+    assert family_of(GPTConfig(**moe, moe_router_pre_softmax=True)) is None  # Mixtral renormalises
+    assert family_of(GPTConfig(**moe, add_qkv_bias=True, moe_shared_expert_intermediate_size=64,
+                               moe_shared_expert_gate=True, moe_layer_freq=[1, 0])) == "qwen2_moe"
+    assert family_of(GPTConfig(**moe, moe_shared_expert_intermediate_size=64)) is None  # ungated
+
+
+@pytest.mark.parametrize("name, fields, match", [
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+    ("mixtral", dict(sliding_window=128), "sliding_window=128.*seq_length=256"),
+    ("mixtral", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("mixtral", dict(num_local_experts=None), "missing required field.*num_local_experts"),
+    ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window=True"),
+    ("qwen2_moe", dict(num_experts=0), "num_experts=0"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0"),
+    ("qwen2_moe", dict(mlp_only_layers=[0, 1, 2, 3]), "mlp_only_layers=.*no layer is MoE"),
+    ("qwen2_moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
+    ("qwen2_moe", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
+     "rope_type 'yarn'"),
+])
+def test_unsupported_variants_are_refused_by_name(name, fields, match, tmp_path):
+    hf = {**hf_dict(name), **fields}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(HFCheckpointError, match=match) as info:
+        PretrainModule(str(tmp_path))  # where a run reads it: before any process starts
+    assert str(tmp_path / "config.json") in str(info.value)
+
+
+def test_flops_of_a_mixed_stack_with_a_gated_shared_expert_equal_torch_flop_counter(tmp_path):
+    hf = tf.Qwen2MoeConfig(**{**FAMILIES["qwen2_moe"]()[2], **COMMON})
+    hf._attn_implementation, hf._experts_implementation = "eager", "eager"
+    cfg, _ = gpt_config_from_hf(hf.to_dict())
+    assert not cfg.is_moe_layer(2) and cfg.moe_shared_expert_gate
+    torch.manual_seed(0)
+    expected = counted_training_flops(tf.Qwen2MoeForCausalLM(hf).float(), 24)
+    assert training_flops_per_token(cfg, 24) == pytest.approx(expected, rel=1e-9)
