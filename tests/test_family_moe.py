@@ -81,14 +81,22 @@ def test_training_steps_match_single_process(family, layout, single_process, tmp
         torch.testing.assert_close(trained[key], full, rtol=0, atol=1e-5, msg=f"{key} ({layout})")
 
 
+ATTENTION = ["k_proj", "o_proj", "q_proj", "v_proj"]
+# Mixtral's MLPs are all routed experts (not adapted): attention only. Qwen2-MoE's dense layer
+# and shared experts take the MLP targets; its routed experts stay frozen.
+LORA_CASES = {"mixtral": (["linear_qkv", "linear_proj"], ATTENTION),
+              "qwen2_moe": ("all-linear", sorted(ATTENTION + ["down_proj", "gate_proj", "up_proj"]))}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_lora_on_attention_exports_a_peft_adapter(family, tmp_path):
+@pytest.mark.parametrize("family", list(LORA_CASES))
+def test_lora_exports_a_peft_adapter_that_peft_loads(family, tmp_path):
     from peft import PeftModel
 
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
-    lora = LoRAConfig(target_modules=["linear_qkv", "linear_proj"], rank=4, alpha=8.0)
+    targets, hf_targets = LORA_CASES[family]
+    lora = LoRAConfig(target_modules=targets, rank=4, alpha=8.0)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(tmp_path)],
@@ -102,8 +110,13 @@ def test_lora_on_attention_exports_a_peft_adapter(family, tmp_path):
     mcore = torch.load(tmp_path / "logits.pt")
     assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    assert all(".self_attn." in k for k in tensors(tmp_path / "peft"))
+    assert sorted(config["target_modules"]) == hf_targets
+    adapted = {k.split(".lora_")[0].removeprefix("base_model.model.") for k in tensors(tmp_path / "peft")}
+    expected = {f"model.layers.{i}.self_attn.{p}" for i in range(4) for p in ATTENTION}
+    if family == "qwen2_moe":  # layer 2 is dense
+        expected |= {f"model.layers.{i}.mlp.{'' if i == 2 else 'shared_expert.'}{p}"
+                     for i in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+    assert adapted == expected
 
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
     assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
