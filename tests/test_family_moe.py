@@ -1,12 +1,12 @@
 """Acceptance for Mixtral and Qwen2-MoE beyond logits and export (tests/test_hf_roundtrip.py):
 training steps at TP=2 (+SP) and EP=2 x TP=2 (expert-TP 1) follow the one-process run of the
-same checkpoint; LoRA adapters export as a PEFT adapter that peft loads with our logits;
-configs we cannot express are refused by name before any process starts.
+same checkpoint; LoRA adapters export as a PEFT adapter that peft loads with our logits; the
+configs agree with the layers transformers builds from them, and those we cannot express are
+refused by name before any process starts.
 
 The Qwen2-MoE model mixes dense and MoE layers (mlp_only_layers) and has the shared expert
 with its sigmoid gate, whose replicated weight sees a sequence shard under SP (its gradient is
-summed over TP ranks, as for norms).
-"""
+summed over TP ranks, as for norms)."""
 
 import json
 
@@ -88,6 +88,20 @@ LORA_CASES = {"mixtral": (["linear_qkv", "linear_proj"], ATTENTION),
               "qwen2_moe": ("all-linear", sorted(ATTENTION + ["down_proj", "gate_proj", "up_proj"]))}
 
 
+def trainable(hf, r: int) -> int:
+    """A and B of every adapted linear: r x (in + out); fused q/k/v and gate/up share one A."""
+    c = hf.config
+    h, head = c.hidden_size, c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
+    total = 0
+    for layer in hf.model.layers:
+        total += r * ((h + q + 2 * kv) + (q + h))
+        if c.model_type == "qwen2_moe":  # the dense MLP or shared expert (Mixtral: none)
+            f = getattr(layer.mlp, "shared_expert", layer.mlp).gate_proj.out_features
+            total += r * ((h + 2 * f) + (f + h))
+    return total
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", list(LORA_CASES))
 def test_lora_exports_a_peft_adapter_that_peft_loads(family, tmp_path):
@@ -106,7 +120,8 @@ def test_lora_exports_a_peft_adapter_that_peft_loads(family, tmp_path):
     module = PretrainModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0), lora=lora)
     trainer.fit(module, DataLoader(TokenRows(n=16, seq=16, vocab=200), batch_size=4))
 
-    assert json.loads((tmp_path / "facts.json").read_text())["base_unchanged"]
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    assert facts["base_unchanged"] and facts["trainable"] == trainable(hf, 4)
     mcore = torch.load(tmp_path / "logits.pt")
     assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
