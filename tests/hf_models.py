@@ -27,10 +27,11 @@ FAMILIES = {
     "qwen2_moe": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=False)),
-    # Layers 1 and 3 sparse (decoder_sparse_step), renormalised top-k.
+    # Layers 1 and 3 sparse (decoder_sparse_step), renormalised top-k, no q/k/v biases.
     "qwen2_moe_step": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=True)),
+        shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=True,
+        qkv_bias=False)),
 }
 
 

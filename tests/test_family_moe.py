@@ -175,7 +175,9 @@ def test_fields_match_the_model_transformers_builds(name, tmp_path):
 
 
 def v4_style(hf5: dict) -> dict:
-    """The config as transformers 4 wrote it: rope_theta, and no qkv_bias or layer_types."""
+    """The config as transformers 4 wrote it: rope_theta, no layer_types, and no qkv_bias
+    (always biased)."""
+    assert hf5.get("qkv_bias", True)
     hf = {k: v for k, v in hf5.items() if k not in ("qkv_bias", "layer_types")}
     hf["rope_theta"] = hf.pop("rope_parameters")["rope_theta"]
     return hf
@@ -185,7 +187,8 @@ def v4_style(hf5: dict) -> dict:
 def test_transformers4_configs_and_export_round_trip(name, tmp_path):
     hf = hf_dict(name)
     cfg, family = gpt_config_from_hf(hf)
-    assert gpt_config_from_hf(v4_style(hf)) == (cfg, family)
+    if hf.get("qkv_bias", True):  # transformers 4 cannot say qkv_bias=False
+        assert gpt_config_from_hf(v4_style(hf)) == (cfg, family)
     (tmp_path / "config.json").write_text(json.dumps(hf_config_dict_from_gpt(cfg, family)))
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert type(loaded).__name__ == type(AutoConfig.for_model(family)).__name__
@@ -196,8 +199,9 @@ def test_models_built_from_scratch_export_as_the_family_that_expresses_them():
     moe = dict(num_moe_experts=4, moe_ffn_hidden_size=256)  # ffn_hidden_size is 256
     assert family_of(GPTConfig(**moe)) == "mixtral"
     assert family_of(GPTConfig(**moe, moe_router_pre_softmax=True)) is None  # Mixtral renormalises
-    assert family_of(GPTConfig(**moe, add_qkv_bias=True, moe_shared_expert_intermediate_size=64,
-                               moe_shared_expert_gate=True, moe_layer_freq=[1, 0])) == "qwen2_moe"
+    gated = dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True)
+    assert family_of(GPTConfig(**moe, **gated, add_qkv_bias=True, moe_layer_freq=[1, 0])) == "qwen2_moe"
+    assert family_of(GPTConfig(**moe, **gated, qk_layernorm=True)) is None
     assert family_of(GPTConfig(**moe, moe_shared_expert_intermediate_size=64)) is None  # ungated
 
 

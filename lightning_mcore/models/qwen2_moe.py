@@ -33,12 +33,12 @@ class Qwen2Moe(Architecture):
         if not cfg.num_moe_experts or not cfg.moe_shared_expert_intermediate_size:
             raise HFCheckpointError(f"{self.model_type} needs num_moe_experts and "
                                     f"moe_shared_expert_intermediate_size.")
-        # transformers 4 has no qkv_bias field (always biased): exports keep the biases.
-        parts.expressible(cfg, self.model_type, add_qkv_bias=True, moe_shared_expert_gate=True,
-                          free=("num_moe_experts", "moe_layer_freq",
+        parts.expressible(cfg, self.model_type, moe_shared_expert_gate=True,
+                          free=("add_qkv_bias", "num_moe_experts", "moe_layer_freq",
                                 "moe_shared_expert_intermediate_size"))
+        # qkv_bias=False needs transformers 5 to read it (transformers 4 always adds biases).
         return parts.decoder_hf(cfg) | parts.moe_hf(cfg) | parts.sparse_layers_hf(cfg) | dict(
-            num_experts=cfg.num_moe_experts, qkv_bias=True,
+            num_experts=cfg.num_moe_experts, qkv_bias=cfg.add_qkv_bias,
             shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
 
     def weights(self, cfg):
