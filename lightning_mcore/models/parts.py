@@ -10,6 +10,7 @@ Sharding at a glance (tensor-parallel dim, stated by each transform in hf/transf
     linear_fc1                 GateUp   dim 0 ([gate_i; up_i])
     norms, q/k norms, router   Replicated
     experts                    as their dense twins, over expert-TP; experts split over EP
+    shared expert (+ gate)     as a dense MLP, over TP (not expert-TP); its gate Replicated
 """
 
 from __future__ import annotations
