@@ -10,12 +10,13 @@ Sharding at a glance (tensor-parallel dim, stated by each transform in hf/transf
     linear_fc1                 GateUp   dim 0 ([gate_i; up_i])
     norms, q/k norms, router   Replicated
     experts                    as their dense twins, over expert-TP; experts split over EP
+    shared expert (+ gate)     as a dense MLP, over TP (not expert-TP); its gate Replicated
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import Entry
@@ -115,17 +116,31 @@ def num_experts(hf: HFConfig) -> int:
     return hf.get("num_experts", hf.get("num_local_experts"))
 
 
-def moe(hf: HFConfig, experts: int, **fields) -> dict:
-    """GPTConfig MoE fields for a softmax top-k router; `fields` add or replace."""
+def moe(hf: HFConfig, experts: int, ffn: str = "moe_intermediate_size", **fields) -> dict:
+    """GPTConfig MoE fields for a softmax top-k router (`ffn`: the field of the experts'
+    width); `fields` add or replace."""
     return dict(
         num_moe_experts=experts,
         moe_router_topk=hf["num_experts_per_tok"],
-        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_ffn_hidden_size=hf[ffn],
         # norm_topk_prob: HF renormalises the top-k softmax probs = mcore's softmax over the
         # top-k logits (pre_softmax=False). Otherwise HF keeps the full-softmax probs of the
         # chosen experts = mcore pre_softmax=True.
         moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
     ) | fields
+
+
+def sparse_layers(hf: HFConfig) -> Union[int, list[int]]:
+    """moe_layer_freq by the Qwen-MoE rule: layer i (0-based) is MoE unless it is listed in
+    mlp_only_layers, and only when i + 1 is a multiple of decoder_sparse_step; 1 when all are."""
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers", []))
+    if step < 1:
+        hf.refuse("decoder_sparse_step", "must be a positive int.")
+    layers = [int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
+    if not any(layers):
+        hf.refuse("mlp_only_layers" if dense else "decoder_sparse_step",
+                  "no layer is MoE; a model without experts is not supported by this family.")
+    return 1 if all(layers) else layers
 
 
 # ---------------------------------------------------------------- GPTConfig -> config.json
@@ -195,6 +210,12 @@ def moe_hf(cfg: GPTConfig) -> dict:
     )
 
 
+def sparse_layers_hf(cfg: GPTConfig) -> dict:
+    """The Qwen-MoE fields that give cfg's dense/MoE layer pattern."""
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    return dict(decoder_sparse_step=1, mlp_only_layers=dense)
+
+
 # ---------------------------------------------------------------- weight tables
 def ends(tied: bool, embed: str = "model.embed_tokens.weight", norm: str = "model.norm.weight",
          head: str = "lm_head.weight") -> list[Entry]:
@@ -254,3 +275,13 @@ def experts(hf: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "dow
     """The router and the routed experts (`hf`: the prefix of expert {E})."""
     return [Entry(M + "mlp.router.weight", (router,), Replicated(), (("E", "h"),))] + gated_mlp(
         M + "mlp.experts.local_experts.{E}.", hf, names, size="mf", expert=True)
+
+
+def shared_expert(hf: str = H + "mlp.shared_expert.",
+                  gate: Optional[str] = H + "mlp.shared_expert_gate.weight") -> list[Entry]:
+    """The shared expert, tensor-parallel like a dense MLP (not over expert-TP), and its sigmoid
+    gate, a replicated [1, h] weight (`gate`: its HF name; None: ungated)."""
+    out = gated_mlp(M + "mlp.shared_experts.", hf, size="sf")
+    if gate:
+        out.append(Entry(M + "mlp.shared_experts.gate_weight", (gate,), Replicated(), (("1", "h"),)))
+    return out
