@@ -295,8 +295,9 @@ def build_prompts(texts: Optional[list[str]], tokenizer_dirs: list[str], vocab: 
     """The prompts as token rows, padded to one length that is a multiple of `multiple`."""
     tokenizer_dir = next((d for d in tokenizer_dirs if any((Path(d) / f).is_file() for f in TOKENIZER_FILES)), None)
     if texts is not None and tokenizer_dir is None:
-        raise VerifyError(f"--prompts are text and need a tokenizer, but {' and '.join(dict.fromkeys(tokenizer_dirs))} "
-                          f"hold none ({', '.join(TOKENIZER_FILES)}).")
+        where = " nor ".join(dict.fromkeys(tokenizer_dirs))
+        raise VerifyError(f"--prompts are text and need a tokenizer, but there is none in {where} "
+                          f"({', '.join(TOKENIZER_FILES)}).")
     if tokenizer_dir is not None:
         from transformers import AutoTokenizer
 
@@ -384,17 +385,20 @@ def build_trainer(layout: Layout, module, capture: CaptureLayers) -> L.Trainer:
         )
         strategy.validate_module(module)
     except LayoutError as error:
-        raise VerifyError(f"invalid parallel layout ({_layout_keys(error, layout)}): {error}") from error
+        keys = _layout_keys(error, layout, module)
+        raise VerifyError(f"invalid parallel layout ({keys}): {error}") from error
     except MisconfigurationException as error:
         raise VerifyError(f"--accelerator={layout.accelerator} --devices={world}: {error}") from error
     return trainer
 
 
-def _layout_keys(error, layout: Layout) -> str:
+def _layout_keys(error, layout: Layout, module) -> str:
+    """The options (and model fields) behind a LayoutError, with their values."""
     keys = [f"--{o}={getattr(layout, o)}" for o in error.options if hasattr(layout, o)]
     keys += [f"--devices={layout.world_size}"] if error.devices else []
     keys += [f"--accelerator={layout.accelerator}"] if error.accelerator else []
-    keys += [f"{f} of the model" for f in error.fields]
+    fields = ", ".join(f"{f}={getattr(module.model_config, f, None)}" for f in error.fields)
+    keys += [f"--model={module.hf_path} ({fields})"] if fields else []
     return ", ".join(keys)
 
 
@@ -450,7 +454,7 @@ def main(args=None) -> None:
     parser.add_argument("--tolerance", type=Optional[float], default=None,
                         help="largest relative difference max|ours - ref| / max(1, max|ref|) that passes "
                              "(default: " + ", ".join(f"{v:g} at {k}" for k, v in TOLERANCE.items()) + ")")
-    parser.add_argument("--prompts", type=Optional[list[str]], default=None, nargs="+",
+    parser.add_argument("--prompts", type=str, default=None, nargs="+",
                         help="text prompts (need a tokenizer in --model or --reference); default: a few "
                              "fixed texts, or fixed token ids where there is no tokenizer")
     parser.add_argument("--reference_dtype", type=str, choices=list(REFERENCE_DTYPES), default="float32",
