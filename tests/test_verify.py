@@ -3,8 +3,11 @@ tests/hf_models.py at TP=2 (+ sequence parallel), names the layer of a perturbed
 refuses mistakes before any rank starts. The CLI runs in this process; its ranks are forked.
 """
 
+import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_models import COMMON, FAMILIES, hf_logits, make_hf_model
 from lightning_mcore.cli import main
+from lightning_mcore.verify import relative_diff
 
 ROOT = Path(__file__).parents[1]
 FORK = ["--start_method", "fork"]
@@ -138,3 +142,31 @@ def test_verify_refuses_a_reference_of_another_vocab(tmp_path, capsys):
     tf.LlamaConfig(**{**COMMON, "vocab_size": 300}).save_pretrained(tmp_path / "b")
     line = refused(capsys, "--model", tmp_path / "a", "--reference", tmp_path / "b", *FORK)
     assert "vocab_size=300" in line and "--reference" in line
+
+
+def test_differences_are_relative_to_each_positions_scale():
+    """A position whose hidden state carries an outlier of 1000 does not hide a difference of
+    0.5 at another position of scale 2; below scale 1 a difference counts as it is."""
+    ref = torch.tensor([[1000.0, 0.0], [2.0, 0.0], [0.1, 0.2]])
+    assert relative_diff(ref + torch.tensor([[1.0, 0.0], [0.0, 0.5], [0.0, 0.0]]), ref) == 0.25
+    assert relative_diff(ref + torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.03, 0.0]]), ref) == pytest.approx(0.03)
+    assert relative_diff(ref + torch.tensor([[float("nan"), 0.0], [0.0] * 2, [0.0] * 2]), ref) == float("inf")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_verify_with_transformer_engine_on_gpu(family, precision, tmp_path):
+    """Transformer Engine layers (TP=2 + SP on 2 GPUs, else one) against transformers in fp32 on
+    CPU, within the precision's default tolerance (bf16: 1e-1; 32-true: TE's GEMMs run TF32)."""
+    make_hf_model(family, tmp_path / family)
+    layout = ["--tensor_model_parallel_size", "2", "--sequence_parallel"] if torch.cuda.device_count() >= 2 else []
+    run = subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "verify", "--model", str(tmp_path / family),
+                          "--accelerator", "gpu", "--precision", precision, *layout],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    found = result(run.stdout)
+    assert found["verify"] == "pass" and "Transformer Engine layers" in found["layout"], found
+    print(f"{family} {precision}: logits {found['logit_diff']:.2e}, last layer "
+          f"{list(found['layer_diffs'].values())[-1]:.2e}, top-1 {found['top1_agree']}/{found['positions']}")
