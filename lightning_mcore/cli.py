@@ -161,7 +161,8 @@ class MegatronCLI(LightningCLI):
         a complete header; a model fine-tuned from one of our checkpoints still fits its
         config.json (seq_length within max_position_embeddings and a sliding window)."""
         from lightning_mcore.hf.checkpoint import CheckpointError, open_safetensors, weight_map
-        from lightning_mcore.hf.config import HFCheckpointError, gpt_config_from_hf
+        from lightning_mcore.hf.config import HFCheckpointError
+        from lightning_mcore.models import gpt_config_from_hf
 
         source = module.hf_path
         if source is None or not Path(source).is_dir():
@@ -327,7 +328,7 @@ def _owner_key(error: BaseException) -> Optional[str]:
 def main(args=None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["export"]:  # a checkpoint to an HF directory: no Trainer, no training code
-        from lightning_mcore.hf.from_checkpoint import main as export_main
+        from lightning_mcore.export_checkpoint import main as export_main
 
         return export_main(argv[1:])
     if argv[:1] == ["verify"]:  # our model of an HF checkpoint against transformers'

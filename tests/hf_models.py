@@ -24,6 +24,12 @@ FAMILIES = {
 }
 
 
+def hf_config_dict(name: str) -> dict:
+    """config.json contents of the tiny model of family `name` (no weights)."""
+    config_cls, model_cls, extra = FAMILIES[name]()
+    return config_cls(**{**COMMON, **extra}, architectures=[model_cls.__name__]).to_dict()
+
+
 def make_hf_model(name: str, directory: Path, seed: int = 0):
     """Save a tiny random model of family `name` in `directory`; return the transformers model."""
     config_cls, model_cls, extra = FAMILIES[name]()

@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader
 from hf_models import hf_logits
 from lightning_mcore import GPTConfig, MegatronStrategy, PretrainModule
 from lightning_mcore.cli import main
-from lightning_mcore.hf.config import HFCheckpointError, gpt_config_from_hf
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.models import gpt_config_from_hf
 from lightning_mcore.strategy.parallel import LayoutError, ParallelConfig, validate_layout
 from toy import tiny_config
 
@@ -391,7 +392,7 @@ def test_inputs_longer_than_seq_length_are_refused_where_they_enter():
     strategy = MegatronStrategy(global_batch_size=2)
     strategy.connect(module)
     with pytest.raises(ValueError, match=r"token rows have 17 tokens, more than the model's seq_length=16"):
-        strategy.forward_logits(torch.zeros(1, 17, dtype=torch.long))
+        module.forward_logits(torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ValueError, match=r"batch rows have 32 tokens, more than the model's seq_length=16"):
         strategy.split_microbatches({"tokens": torch.zeros(2, 32, dtype=torch.long)})
     with pytest.raises(ValueError, match=r"prompt \(10 tokens\) \+ max_new_tokens \(7\) is longer than "
@@ -418,7 +419,7 @@ class LogitsAndRefusal(L.Callback):
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         try:
-            pl_module._strategy().forward_logits(self.long)
+            pl_module.forward_logits(self.long)
             refusal = None
         except ValueError as error:
             refusal = str(error)

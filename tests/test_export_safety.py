@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mcore import HFExport, MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.hf.export_dir import MARKER, ExportTargetError, check_target
-from lightning_mcore.hf.from_checkpoint import main as export_main
+from lightning_mcore.export_checkpoint import main as export_main
 from lightning_mcore.strategy import checkpoint_io
 from toy import ROOT, TokenRows, fit_with_checkpoints, tiny_config
 

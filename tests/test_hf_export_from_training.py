@@ -28,7 +28,7 @@ class SaveLogits(L.Callback):
         setattr(self, hook, self._save)
 
     def _save(self, trainer, pl_module):
-        logits = trainer.strategy.forward_logits(TOKENS)
+        logits = trainer.lightning_module.forward_logits(TOKENS)
         if trainer.global_rank == 0:
             torch.save(logits, self.out)
 

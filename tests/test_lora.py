@@ -41,7 +41,7 @@ class Probe(L.Callback):
         self.before = base_weights(pl_module)
 
     def on_train_end(self, trainer, pl_module):
-        logits = trainer.strategy.forward_logits(TOKENS)
+        logits = trainer.lightning_module.forward_logits(TOKENS)
         pl_module.save_hf_checkpoint(self.out / "peft", mode="peft")
         pl_module.save_hf_checkpoint(self.out / "merged", mode="merged")
         after = base_weights(pl_module)  # after the merged export took its adapters back out

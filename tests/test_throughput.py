@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_mcore import MegatronStrategy, MegatronThroughput, OptimizerSettings, PretrainModule
-from lightning_mcore.hf.config import gpt_config_from_hf
+from lightning_mcore.models import gpt_config_from_hf
 from lightning_mcore.model.flops import training_flops_per_token
 from toy import TokenRows, fit, tiny_config
 

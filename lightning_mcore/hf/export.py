@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from lightning_mcore.hf.export_dir import check_target, staged_dir
 from lightning_mcore.hf.load import chunk_parameters, dims_of, parallel_ranks
-from lightning_mcore.hf.mappings import mapping, shape_symbols
+from lightning_mcore.hf.mappings import Entry, shape_symbols
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -31,12 +31,11 @@ TOKENIZER_FILES = (
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _items(chunks, cfg, family):
+def _items(chunks, cfg, entries: list[Entry]):
     """This rank's (order key, param, entry, layer, expert), for the tensors its group owns."""
     from megatron.core import parallel_state as ps
 
     ranks = parallel_ranks()
-    entries = mapping(family, cfg.tie_word_embeddings)
     dense_owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_owner = ps.get_expert_data_parallel_rank() == 0
     position = {e.mcore: i for i, e in enumerate(entries)}
@@ -103,7 +102,8 @@ class _ShardWriter:
 def export_hf(
     chunks,
     cfg,
-    family: str,
+    weights: list[Entry],
+    hf_config: Optional[dict],
     out_dir,
     padded_vocab: int,
     source_dir: Optional[os.PathLike] = None,
@@ -115,11 +115,12 @@ def export_hf(
     """Write an HF directory at `out_dir` (config, weights, tokenizer); returns it on rank 0.
 
     `out_dir` must be new or empty, or (with `overwrite`) an earlier export (hf/export_dir.py);
-    it may not hold or sit inside `source_dir` or the `protected` paths. Tokenizer files come
-    from `source_dir`, else from `tokenizer_dir`."""
+    it may not hold or sit inside `source_dir` or the `protected` paths. `weights` is the
+    family's weight table, `hf_config` the config.json to write (None: `source_dir`'s).
+    Tokenizer files come from `source_dir`, else from `tokenizer_dir`."""
     out_dir = check_target(out_dir, overwrite, [source_dir, *protected])
     rank = dist.get_rank() if dist.is_initialized() else 0
-    items = _items(chunks, cfg, family)
+    items = _items(chunks, cfg, weights)
     dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
 
     # Who sends what: (key, source rank, HF names, their shapes, dtype) from every rank's items.
@@ -140,7 +141,7 @@ def export_hf(
         _send_tensors(items, plan, rank, dims, writer if rank == 0 else None)
         if rank == 0:
             writer.finish()
-            _write_metadata(tmp, cfg, family, source_dir, items[0][1].dtype, tokenizer_dir)
+            _write_metadata(tmp, hf_config, source_dir, items[0][1].dtype, tokenizer_dir)
     if dist.is_initialized():
         dist.barrier()
     return out_dir if rank == 0 else None
@@ -174,15 +175,13 @@ def _is_sender(expert: bool) -> bool:
     return (ranks["etp"] if expert else ranks["tp"])[0] == 0
 
 
-def _write_metadata(directory: Path, cfg, family: str, source_dir, dtype: torch.dtype,
+def _write_metadata(directory: Path, hf_config: dict, source_dir, dtype: torch.dtype,
                     tokenizer_dir=None) -> None:
-    from lightning_mcore.hf.config import hf_config_dict_from_gpt
-
     source = Path(source_dir) if source_dir else None
-    if source and (source / "config.json").is_file():
+    if hf_config is None:
         config = json.loads((source / "config.json").read_text())
     else:
-        config = hf_config_dict_from_gpt(cfg, family)
+        config = dict(hf_config)
     config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = _DTYPE_NAMES[dtype]
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     copy_files(source, directory, ("generation_config.json",) + TOKENIZER_FILES)

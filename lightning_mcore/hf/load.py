@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from lightning_mcore.hf.checkpoint import CheckpointError, SafetensorsReader
-from lightning_mcore.hf.mappings import Entry, local_name, mapping, shape_symbols
+from lightning_mcore.hf.mappings import Entry, local_name, shape_symbols
 from lightning_mcore.hf.transforms import Dims
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -83,13 +83,14 @@ def _check(reader: SafetensorsReader, names, entry: Entry, symbols, dtype) -> No
 
 
 @torch.no_grad()
-def load_hf_weights(chunks, directory, cfg, family: str, padded_vocab: int) -> None:
-    """Fill `chunks` (this rank's mcore models) from the HF checkpoint in `directory`."""
+def load_hf_weights(chunks, directory, cfg, weights: list[Entry], padded_vocab: int) -> None:
+    """Fill `chunks` (this rank's mcore models) from the HF checkpoint in `directory`, by the
+    weight table `weights` (its family module's)."""
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     dtype = _SAFETENSORS_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
     ranks = parallel_ranks()
-    entries = mapping(family, cfg.tie_word_embeddings)
+    entries = weights
     dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
     with SafetensorsReader(directory) as reader:
         for chunk in chunks:

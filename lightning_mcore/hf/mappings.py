@@ -1,4 +1,5 @@
-"""Declarative Hugging Face <-> mcore parameter tables, one per architecture family.
+"""The entries of the declarative Hugging Face <-> mcore weight tables (each family module in
+lightning_mcore/models/ builds its table from them).
 
 An entry names the mcore parameter (local layer spec names, inside one GPTModel chunk), the
 HF tensors it is made of, the transform between them (which also states the tensor-parallel
@@ -7,14 +8,6 @@ dimension), and the HF shapes in symbols checked against the config before any r
     V vocab, E experts.
 `{L}` is the layer (local index in mcore names, global in HF names); `{E}` the expert (local
 to the expert-parallel rank in mcore names, global in HF names).
-
-Sharding at a glance (tensor-parallel dim):
-    embedding / output_layer   Vocab    dim 0 (padded vocab rows)
-    linear_qkv (+bias)         QKV      dim 0 (whole query groups)
-    linear_proj, linear_fc2    Split(1) row-parallel
-    linear_fc1                 GateUp   dim 0 ([gate_i; up_i])
-    norms, q/k norms, router   Replicated
-    experts                    as their dense twins, over expert-TP; experts split over EP
 """
 
 from __future__ import annotations
@@ -23,14 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_mcore.hf.transforms import (
-    QKV,
-    GateUp,
-    Replicated,
-    Split,
-    Transform,
-    Vocab,
-)
+from lightning_mcore.hf.transforms import Transform
 
 
 @dataclass(frozen=True)
@@ -68,76 +54,6 @@ def local_name(name: str) -> str:
     return name
 
 
-M, H = "decoder.layers.{L}.", "model.layers.{L}."
-
-
-def _attention(qkv_bias: bool, qk_norm: bool) -> list[Entry]:
-    out = [
-        Entry(M + "input_layernorm.weight", (H + "input_layernorm.weight",), Replicated(), (("h",),)),
-        Entry(M + "self_attention.linear_qkv.weight",
-              tuple(H + f"self_attn.{p}_proj.weight" for p in "qkv"), QKV(),
-              (("q", "h"), ("kv", "h"), ("kv", "h"))),
-        Entry(M + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",), Split(1),
-              (("h", "q"),)),
-        Entry(M + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",), Replicated(),
-              (("h",),)),
-    ]
-    if qkv_bias:
-        out.append(Entry(M + "self_attention.linear_qkv.bias",
-                         tuple(H + f"self_attn.{p}_proj.bias" for p in "qkv"), QKV(),
-                         (("q",), ("kv",), ("kv",))))
-    if qk_norm:
-        out += [
-            Entry(M + "self_attention.q_layernorm.weight", (H + "self_attn.q_norm.weight",), Replicated(), (("d",),)),
-            Entry(M + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",), Replicated(), (("d",),)),
-        ]
-    return out
-
-
-def _dense_mlp() -> list[Entry]:
-    return [
-        Entry(M + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
-              GateUp(), (("f", "h"), ("f", "h"))),
-        Entry(M + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), Split(1), (("h", "f"),)),
-    ]
-
-
-def _moe_mlp() -> list[Entry]:
-    X, Y = M + "mlp.experts.local_experts.{E}.", H + "mlp.experts.{E}."
-    return [
-        Entry(M + "mlp.router.weight", (H + "mlp.gate.weight",), Replicated(), (("E", "h"),)),
-        Entry(X + "linear_fc1.weight", (Y + "gate_proj.weight", Y + "up_proj.weight"), GateUp(),
-              (("mf", "h"), ("mf", "h")), expert=True),
-        Entry(X + "linear_fc2.weight", (Y + "down_proj.weight",), Split(1), (("h", "mf"),), expert=True),
-    ]
-
-
-def _ends(tied: bool) -> list[Entry]:
-    return [
-        Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Vocab(), (("V", "h"),)),
-        Entry("decoder.final_layernorm.weight", ("model.norm.weight",), Replicated(), (("h",),)),
-        Entry("output_layer.weight", ("model.embed_tokens.weight" if tied else "lm_head.weight",),
-              Vocab(), (("V", "h"),), export=not tied),
-    ]
-
-
-FAMILIES = {
-    # family: (qkv bias, q/k norm, MoE)
-    "llama": (False, False, False),
-    "mistral": (False, False, False),
-    "qwen2": (True, False, False),
-    "qwen3": (False, True, False),
-    "qwen3_moe": (False, True, True),
-}
-
-
-def mapping(family: str, tied: bool) -> list[Entry]:
-    if family not in FAMILIES:
-        raise ValueError(f"no weight mapping for family {family!r}; known: {', '.join(FAMILIES)}.")
-    qkv_bias, qk_norm, moe = FAMILIES[family]
-    return _ends(tied) + _attention(qkv_bias, qk_norm) + (_moe_mlp() if moe else _dense_mlp())
-
-
 def shape_symbols(cfg) -> dict[str, int]:
     groups = cfg.num_query_groups or cfg.num_attention_heads
     return {
@@ -146,14 +62,3 @@ def shape_symbols(cfg) -> dict[str, int]:
         "mf": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, "V": cfg.vocab_size,
         "E": cfg.num_moe_experts or 0,
     }
-
-
-def family_of(cfg) -> str:
-    """The HF family a model trained from scratch is exported as."""
-    if cfg.num_moe_experts:
-        return "qwen3_moe"
-    if cfg.qk_layernorm:
-        return "qwen3"
-    if cfg.add_qkv_bias:
-        return "qwen2"
-    return "llama"

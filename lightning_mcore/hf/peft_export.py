@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from lightning_mcore.hf.export import TOKENIZER_FILES, copy_files
 from lightning_mcore.hf.export_dir import check_target, staged_dir
-from lightning_mcore.hf.mappings import mapping
+from lightning_mcore.hf.mappings import Entry
 from lightning_mcore.hf.transforms import Dims
-from lightning_mcore.model.lora import TARGETS, adapters_of, base_path, resolve_targets
+from lightning_mcore.model.lora import TARGETS, adapters_of, base_path
 
 
 def _gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
@@ -36,9 +36,9 @@ def _gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
     return shards
 
 
-def adapter_tensors(chunks, cfg, family: str) -> dict[str, torch.Tensor]:
+def adapter_tensors(chunks, cfg, weights: list[Entry]) -> dict[str, torch.Tensor]:
     """This rank's adapters as full PEFT-named tensors (on every TP rank; CPU, fp32 kept as is)."""
-    entries = {e.mcore: e for e in mapping(family, cfg.tie_word_embeddings)}
+    entries = {e.mcore: e for e in weights}
     dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
                 cfg.head_dim, cfg.vocab_size, cfg.vocab_size)
     out = {}
@@ -61,7 +61,7 @@ def adapter_tensors(chunks, cfg, family: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_peft(chunks, cfg, family: str, lora, out_dir, base_model: Optional[str] = None,
+def export_peft(chunks, cfg, weights: list[Entry], lora, out_dir, base_model: Optional[str] = None,
                 overwrite: bool = False, protected: Iterable = (),
                 tokenizer_dir=None) -> Optional[Path]:
     """Collective: every rank sends its stage's adapters to rank 0, which writes the directory
@@ -75,7 +75,7 @@ def export_peft(chunks, cfg, family: str, lora, out_dir, base_model: Optional[st
     out_dir = check_target(out_dir, overwrite, [base_model, *protected])
     mine = {}
     if parallel_state.get_data_parallel_rank() == 0:
-        tensors = adapter_tensors(chunks, cfg, family)
+        tensors = adapter_tensors(chunks, cfg, weights)
         if parallel_state.get_tensor_model_parallel_rank() == 0:
             mine = tensors
     parts = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
@@ -85,7 +85,8 @@ def export_peft(chunks, cfg, family: str, lora, out_dir, base_model: Optional[st
             dist.barrier()
             return None
     tensors = {k: v for part in parts for k, v in part.items()}
-    hf_targets = sorted({hf for t in resolve_targets(lora.target_modules) for hf in TARGETS[t][1]})
+    # PEFT matches modules by the last part of their HF name (q_proj, ...; the family's names).
+    hf_targets = sorted({name.rsplit(".", 3)[-3] for name in tensors})
     with staged_dir(out_dir, {"format": "peft"}) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,

@@ -92,6 +92,10 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     extra: dict[str, Any] = field(default_factory=dict)  # any other TransformerConfig field
 
+    def __post_init__(self) -> None:
+        if isinstance(self.mla, dict):  # from a checkpoint's common.pt or a YAML config
+            self.mla = MLAConfig(**self.mla)
+
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mcore import models
+from lightning_mcore.hf.load import load_hf_weights
+from lightning_mcore.model import inference
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.strategy.optimizer import OptimizerSettings
@@ -51,16 +54,12 @@ class MegatronModule(L.LightningModule):
             self.tokenizer_path = saved.tokenizer_path
             self.model_config = dataclasses.replace(saved.config, **(model_overrides or {}))
         elif isinstance(model, (str, os.PathLike)):
-            from lightning_mcore.hf.config import gpt_config_from_hf
-
             self.hf_path = str(model)
-            self.model_config, self.hf_family = gpt_config_from_hf(model, **(model_overrides or {}))
+            self.model_config, self.hf_family = models.gpt_config_from_hf(model, **(model_overrides or {}))
         elif isinstance(model, GPTConfig):
-            from lightning_mcore.hf.mappings import family_of
-
             if model_overrides:
                 model = dataclasses.replace(model, **model_overrides)
-            self.model_config, self.hf_family = model, family_of(model)
+            self.model_config, self.hf_family = model, models.family_of(model)
         else:
             raise TypeError(
                 f"model must be a GPTConfig, a Hugging Face checkpoint directory or a "
@@ -90,10 +89,7 @@ class MegatronModule(L.LightningModule):
         if self.chunks is not None:
             return
         strategy = self._strategy()
-        if self.init_checkpoint is not None:
-            chunks = strategy.build_gpt(self.model_config, checkpoint=self.init_checkpoint)
-        else:
-            chunks = strategy.build_gpt(self.model_config, self.hf_path, self.hf_family)
+        chunks = self._build_chunks(strategy)
         if self.lora is not None:
             from lightning_mcore.model.lora import apply_lora
 
@@ -104,6 +100,32 @@ class MegatronModule(L.LightningModule):
                            f"({100 * trainable / total:.3f}%).")
             self.lora_trainable_parameters = trainable
         self.chunks = torch.nn.ModuleList(chunks)
+
+    def _build_chunks(self, strategy) -> list:
+        """This rank's GPTModel chunks on its device: weights read from one of our checkpoints
+        or an HF checkpoint (only this rank's slices, any saved layout), or drawn so that they
+        do not depend on the parallel layout."""
+        from lightning_mcore.model.build import build_chunks
+        from lightning_mcore.model.init import init_layout_invariant
+        from lightning_mcore.strategy import checkpoint_io
+
+        cfg = self.model_config
+        tp = strategy.parallel.tensor_model_parallel_size
+        if self.init_checkpoint is not None:
+            checkpoint_io.read_common(self.init_checkpoint, cfg, tp)
+        tf_config = strategy.transformer_config(cfg)
+        with strategy.mcore_context():
+            chunks = build_chunks(cfg, tf_config, strategy.uses_te(cfg))
+            for chunk in chunks:
+                chunk.to(strategy.root_device)
+            if self.init_checkpoint is not None:
+                checkpoint_io.load_model(self.init_checkpoint, chunks)
+            elif self.hf_path is None:
+                init_layout_invariant(chunks, cfg, strategy.seed)
+            else:
+                load_hf_weights(chunks, self.hf_path, cfg, models.weights(cfg, self.hf_family),
+                                cfg.padded_vocab_size(tp))
+        return chunks
 
     def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30, mode: str = "full",
                            overwrite: bool = False):
@@ -128,17 +150,22 @@ class MegatronModule(L.LightningModule):
         if mode == "peft":
             from lightning_mcore.hf.peft_export import export_peft
 
-            return export_peft(chunks, self.model_config, self.hf_family, self.lora, directory,
+            return export_peft(chunks, self.model_config, self._weights(), self.lora, directory,
                                base_model=self.hf_path, overwrite=overwrite, protected=protected,
                                tokenizer_dir=self.tokenizer_path)
         set_merged(chunks, True)
         try:
-            return export_hf(chunks, self.model_config, self.hf_family, directory, padded,
+            return export_hf(chunks, self.model_config, self._weights(),
+                             models.export_config(self.model_config, self.hf_family, self.hf_path),
+                             directory, padded,
                              source_dir=self.hf_path, max_shard_bytes=max_shard_bytes,
                              overwrite=overwrite, tokenizer_dir=self.tokenizer_path,
                              protected=protected)
         finally:
             set_merged(chunks, False)
+
+    def _weights(self):
+        return models.weights(self.model_config, self.hf_family)
 
     def configure_optimizers(self):
         return self._strategy().megatron_optimizer(self.optim)
@@ -160,29 +187,21 @@ class MegatronModule(L.LightningModule):
         self.log("loss", metrics["loss"], prog_bar=True, logger=False, batch_size=1)
         return metrics["loss"]
 
-    @torch.no_grad()
+    def forward_logits(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+        """Full-vocabulary logits [batch, seq, vocab] of `tokens`, on every rank (collective)."""
+        return inference.forward_logits(self._strategy(), self.chunks, tokens,
+                                        self.model_config.vocab_size, position_ids)
+
     def generate(self, prompt: list[int], max_new_tokens: int, stop: Optional[list[int]] = None) -> list[int]:
         """Greedy continuation of one prompt, without a KV cache (each token re-runs the
         whole sequence): for checks and demos, not serving. Collective: call on every rank;
         every rank returns the same tokens. Stops after any token in `stop`."""
-        limit = self.model_config.seq_length
-        if len(prompt) + max_new_tokens > limit:
-            raise ValueError(
-                f"generate: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) is "
-                f"longer than the model's seq_length={limit}; use at most "
-                f"{max(limit - len(prompt), 0)} new tokens or a shorter prompt."
-            )
-        tokens = list(prompt)
-        for _ in range(max_new_tokens):
-            logits = self._strategy().forward_logits(torch.tensor([tokens]))
-            tokens.append(int(logits[0, -1, : self.model_config.vocab_size].argmax()))
-            if stop and tokens[-1] in stop:
-                break
-        return tokens[len(prompt):]
+        return inference.generate(self._strategy(), self.chunks, prompt, max_new_tokens,
+                                  self.model_config.vocab_size, self.model_config.seq_length, stop)
 
     def predict_step(self, batch: dict, batch_idx: int):
         """Full-vocabulary logits [batch, seq, vocab] of batch["tokens"] (on every rank)."""
-        return self._strategy().forward_logits(batch["tokens"], batch.get("position_ids"))
+        return self.forward_logits(batch["tokens"], batch.get("position_ids"))
 
     def validation_step(self, batch: dict, batch_idx: int):
         metrics = self._strategy().forward_backward(batch, self.forward_step, forward_only=True,

@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
+from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.optimizer import (
     MegatronOptimizer,
     OptimizerSettings,
@@ -112,7 +113,6 @@ class MegatronStrategy(DDPStrategy):
         self.checkpoint_options = checkpoint or CheckpointOptions()
         self._async_saves = None  # mcore AsyncCallsQueue, made by the first async save
         self._cpu = CpuCompat()
-        self._tf_config = None
 
     # ---------------------------------------------------------------- environment
     @property
@@ -214,72 +214,19 @@ class MegatronStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- model
     def transformer_config(self, model_config):
+        """mcore's TransformerConfig for `model_config` under this layout, dtype and device."""
         from lightning_mcore.model.config import to_transformer_config
-
-        use_te = model_config.uses_te("cpu" if self.on_cpu else "gpu")
-        return to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu, use_te)
-
-    def build_gpt(self, model_config, hf_path=None, hf_family: Optional[str] = None,
-                  checkpoint=None) -> list:
-        """This rank's GPTModel chunks: weights read from an HF checkpoint or from one of our
-        checkpoints (only this rank's slices, any saved layout), or drawn so that they do not
-        depend on the parallel layout."""
-        from lightning_mcore.model.build import build_chunks
-        from lightning_mcore.model.init import init_layout_invariant
 
         if self.on_cpu and model_config.recompute_granularity:
             raise NotImplementedError(
                 f"recompute_granularity={model_config.recompute_granularity!r} needs CUDA (mcore's "
                 f"activation checkpointing saves and restores the CUDA RNG state); on CPU set it to None."
             )
-        self._tf_config = self.transformer_config(model_config)
-        use_te = model_config.uses_te("cpu" if self.on_cpu else "gpu")
-        if checkpoint is not None:
-            from lightning_mcore.strategy import checkpoint_io
+        return to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu,
+                                     self.uses_te(model_config))
 
-            checkpoint_io.read_common(checkpoint, model_config, self.parallel.tensor_model_parallel_size)
-        with self.mcore_context():
-            chunks = build_chunks(model_config, self._tf_config, use_te)
-            for chunk in chunks:
-                chunk.to(self.root_device)
-            if checkpoint is not None:
-                from lightning_mcore.strategy import checkpoint_io
-
-                checkpoint_io.load_model(checkpoint, chunks)
-            elif hf_path is None:
-                init_layout_invariant(chunks, model_config, self.seed)
-            else:
-                from lightning_mcore.hf.load import load_hf_weights
-
-                padded = model_config.padded_vocab_size(self.parallel.tensor_model_parallel_size)
-                load_hf_weights(chunks, hf_path, model_config, hf_family, padded)
-        return chunks
-
-    @torch.no_grad()
-    def forward_logits(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
-        """Full-vocabulary logits [batch, seq, vocab] for `tokens`, on every rank.
-
-        Runs mcore's forward-only schedule one row per microbatch, gathers the vocab-parallel
-        logits over tensor-parallel ranks and shares them from the last pipeline stage.
-        """
-        from megatron.core import tensor_parallel
-
-        self._refuse_context_parallel("forward_logits (generation, predict)")
-        self.check_sequence_length(tokens.shape[-1], "forward_logits (generation, predict): token rows")
-        tokens = tokens.to(self.root_device)
-        rows, seq = tokens.shape
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=self.root_device).expand(rows, seq)
-        micro = [{"tokens": tokens[i : i + 1], "position_ids": position_ids[i : i + 1]} for i in range(rows)]
-        vocab = self.lightning_module.model_config.vocab_size
-
-        def step(mb, model):
-            out = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
-            gather = tensor_parallel.gather_from_tensor_model_parallel_region
-            return out, lambda logits: gather(logits)[..., :vocab]
-
-        chunks = list(self.lightning_module.chunks)
-        return self._forward_only(micro, step, chunks, (seq, 1), (rows, seq, vocab))
+    def uses_te(self, model_config) -> bool:
+        return model_config.uses_te("cpu" if self.on_cpu else "gpu")
 
     @torch.no_grad()
     def forward_collect(self, batch: dict, forward_step: Callable, width: int, chunks=None,
@@ -288,12 +235,12 @@ class MegatronStrategy(DDPStrategy):
         (output, collect) and `collect(output)` gives [micro_batch, width] per microbatch on the
         last stage (e.g. per-sample log-probs); returns [rows, width] on every rank. `chunks`:
         other model chunks than the module's (a frozen reference), sharded the same way."""
-        self._refuse_context_parallel("forward_collect (e.g. DPO's reference pass)")
+        self.refuse_context_parallel("forward_collect (e.g. DPO's reference pass)")
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
         micro = self.split_microbatches(batch)
         chunks = list(chunks if chunks is not None else self.lightning_module.chunks)
         rows, seq = next(iter(batch.values())).shape[:2]
-        return self._forward_only(micro, forward_step, chunks, self._schedule_shape(seq, packed),
+        return self.forward_only(micro, forward_step, chunks, self._schedule_shape(seq, packed),
                                   (rows, width))
 
     def check_sequence_length(self, seq: int, what: str) -> None:
@@ -307,7 +254,7 @@ class MegatronStrategy(DDPStrategy):
                 f"shorten them (or raise the model's seq_length, where the model allows it)."
             )
 
-    def _refuse_context_parallel(self, what: str) -> None:
+    def refuse_context_parallel(self, what: str) -> None:
         if self.parallel.context_parallel_size > 1:
             raise NotImplementedError(
                 f"{what} with context_parallel_size > 1 is not supported: it returns whole "
@@ -337,7 +284,7 @@ class MegatronStrategy(DDPStrategy):
         mbs = self.batch.micro_batch_size
         return (seq * mbs, 1) if packed else (seq, mbs)
 
-    def _forward_only(self, micro: list, forward_step: Callable, chunks: list,
+    def forward_only(self, micro: list, forward_step: Callable, chunks: list,
                       schedule_shape: tuple[int, int], shape: tuple) -> torch.Tensor:
         """mcore's forward-only schedule collecting `collect(output)` of every microbatch on the
         last stage; the concatenation, reshaped to `shape`, is shared with every stage."""
@@ -378,7 +325,7 @@ class MegatronStrategy(DDPStrategy):
         if chunks is None or len(chunks) == 0:
             raise RuntimeError(
                 f"{type(module).__name__} has no `chunks`: build them in configure_model() "
-                f"with `self.chunks = torch.nn.ModuleList(self.trainer.strategy.build_gpt(cfg))`."
+                f"(MegatronModule does: objectives/base.py)."
             )
         self._wrap_chunks(chunks)
         if trainer.state.fn == "fit":
@@ -392,6 +339,7 @@ class MegatronStrategy(DDPStrategy):
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
+        from megatron.core.utils import get_model_config
 
         p = self.parallel
         ddp_config = DistributedDataParallelConfig(
@@ -401,7 +349,7 @@ class MegatronStrategy(DDPStrategy):
             use_distributed_optimizer=p.use_distributed_optimizer,
             check_for_nan_in_grad=False,
         )
-        config = self._tf_config
+        config = get_model_config(chunks[0])
         with self.mcore_context():
             for i, chunk in enumerate(chunks):
                 if isinstance(chunk, DistributedDataParallel):
@@ -467,7 +415,6 @@ class MegatronStrategy(DDPStrategy):
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from lightning_mcore.objectives.loss import reduce_metrics
 
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
         micro = self._context_parallel_slices(self.split_microbatches(batch), packed)

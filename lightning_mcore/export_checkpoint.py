@@ -62,6 +62,7 @@ def export_checkpoint(
         overwrite: replace an earlier lightning-mcore export at ``output``; anything else
             there (other files, the checkpoint itself) is never replaced.
     """
+    from lightning_mcore import models
     from lightning_mcore.hf.export import export_hf
     from lightning_mcore.hf.export_dir import check_target
     from lightning_mcore.hf.peft_export import export_peft
@@ -85,36 +86,39 @@ def export_checkpoint(
             f"--source with the HF directory the run started from."
         )
     protected = [checkpoint, source, saved.hf_path, saved.init_checkpoint]
+    weights = models.weights(saved.config, saved.hf_family)
     check_target(output, overwrite, protected)  # before any work; export_* check it again
     with single_process_megatron(), cuda_on_cpu():
         tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,
                                           on_cpu=True, use_te=False)
         chunks = build_chunks(saved.config, tf_config, use_te=False, padded_vocab=saved.padded_vocab_size)
         if saved.lora:
-            _load_base(chunks, saved, base)
+            _load_base(chunks, saved, base, weights)
             apply_lora(chunks, LoRAConfig(**saved.lora), seed=0)
         checkpoint_io.load_model(checkpoint, chunks)
         refuse_nonfinite_weights(chunks, "cpu", f"the HF export {output}")
         if mode == "peft":
-            export_peft(chunks, saved.config, saved.hf_family, LoRAConfig(**saved.lora), output,
+            export_peft(chunks, saved.config, weights, LoRAConfig(**saved.lora), output,
                         base_model=saved.hf_path, overwrite=overwrite, protected=protected,
                         tokenizer_dir=source or saved.tokenizer_path)
         else:
             set_merged(chunks, True)
-            export_hf(chunks, saved.config, saved.hf_family, output, saved.padded_vocab_size,
+            export_hf(chunks, saved.config, weights,
+                      models.export_config(saved.config, saved.hf_family, source),
+                      output, saved.padded_vocab_size,
                       source_dir=source, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                       tokenizer_dir=saved.tokenizer_path, protected=protected)
     return Path(output).expanduser().resolve()
 
 
-def _load_base(chunks, saved, base) -> None:
+def _load_base(chunks, saved, base, weights) -> None:
     from lightning_mcore.hf.load import load_hf_weights
     from lightning_mcore.strategy import checkpoint_io
 
     if checkpoint_io.is_checkpoint(base):
         checkpoint_io.load_model(base, chunks)
     else:
-        load_hf_weights(chunks, base, saved.config, saved.hf_family, saved.padded_vocab_size)
+        load_hf_weights(chunks, base, saved.config, weights, saved.padded_vocab_size)
 
 
 def describe(directory: Path) -> str:

@@ -1,0 +1,55 @@
+"""Logits and greedy generation through the strategy's forward-only schedule.
+
+Collective: every rank calls these with the same tokens and gets the same result. For checks
+and demos (no KV cache: each new token re-runs the whole sequence), not serving.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+@torch.no_grad()
+def forward_logits(strategy, chunks, tokens: torch.Tensor, vocab: int,
+                   position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Full-vocabulary logits [batch, seq, vocab] for `tokens`, on every rank: one row per
+    microbatch, vocab-parallel logits gathered over tensor-parallel ranks, shared from the
+    last pipeline stage (`strategy`: a MegatronStrategy)."""
+    from megatron.core import tensor_parallel
+
+    strategy.refuse_context_parallel("forward_logits (generation, predict)")
+    strategy.check_sequence_length(tokens.shape[-1], "forward_logits (generation, predict): token rows")
+    device = strategy.root_device
+    tokens = tokens.to(device)
+    rows, seq = tokens.shape
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=device).expand(rows, seq)
+    micro = [{"tokens": tokens[i : i + 1], "position_ids": position_ids[i : i + 1]} for i in range(rows)]
+
+    def step(mb, model):
+        out = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None)
+        gather = tensor_parallel.gather_from_tensor_model_parallel_region
+        return out, lambda logits: gather(logits)[..., :vocab]
+
+    return strategy.forward_only(micro, step, list(chunks), (seq, 1), (rows, seq, vocab))
+
+
+@torch.no_grad()
+def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, vocab: int,
+             seq_length: int, stop: Optional[list[int]] = None) -> list[int]:
+    """Greedy continuation of one prompt; stops after any token in `stop`."""
+    if len(prompt) + max_new_tokens > seq_length:
+        raise ValueError(
+            f"generate: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) is "
+            f"longer than the model's seq_length={seq_length}; use at most "
+            f"{max(seq_length - len(prompt), 0)} new tokens or a shorter prompt."
+        )
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = forward_logits(strategy, chunks, torch.tensor([tokens]), vocab)
+        tokens.append(int(logits[0, -1].argmax()))
+        if stop and tokens[-1] in stop:
+            break
+    return tokens[len(prompt):]

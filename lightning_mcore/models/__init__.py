@@ -1,0 +1,157 @@
+"""The architectures we map, one module each, and the entry points that pick one.
+
+Every module in this package that defines `ARCHITECTURE` is registered on import; `register`
+adds one from elsewhere (a Llama clone in your own code is a few lines: see the README).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning_mcore.hf.config import HFCheckpointError, read_config_json
+from lightning_mcore.hf.mappings import Entry
+from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.models.architecture import Architecture, HFConfig
+
+ARCHITECTURES: dict[str, Architecture] = {}  # by HF class name, e.g. "LlamaForCausalLM"
+DEFAULT_SEQ_LENGTH_CAP = 4096
+PathOrDict = Union[str, os.PathLike, dict]
+
+
+def register(architecture: Architecture) -> Architecture:
+    ARCHITECTURES[architecture.hf_class] = architecture
+    return architecture
+
+
+def _discover() -> None:
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if isinstance(getattr(module, "ARCHITECTURE", None), Architecture):
+            register(module.ARCHITECTURE)
+
+
+def architecture_of(hf: HFConfig) -> Architecture:
+    """The entry for config.json's architectures[0] (or its model_type when a config was saved
+    without a model), with its required fields checked."""
+    names = hf.get("architectures") or []
+    if not names:
+        by_type = {a.model_type: n for n, a in ARCHITECTURES.items()}
+        names = [by_type[hf.get("model_type")]] if hf.get("model_type") in by_type else []
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if not names:
+        raise HFCheckpointError(f"{hf.source}: no 'architectures' field; supported: {supported}.")
+    if names[0] not in ARCHITECTURES:
+        raise HFCheckpointError(
+            f"{hf.source}: architecture {names[0]!r} is not supported; supported: {supported}.")
+    arch = ARCHITECTURES[names[0]]
+    missing = arch.missing(hf)
+    if missing:
+        raise HFCheckpointError(f"{hf.source}: missing required field(s): {', '.join(missing)}.")
+    return arch
+
+
+def by_family(family: str) -> Architecture:
+    """The architecture recorded as `family` (its model_type) in our checkpoints."""
+    for arch in ARCHITECTURES.values():
+        if arch.model_type == family:
+            return arch
+    raise HFCheckpointError(f"unknown family {family!r}; supported: "
+                            f"{', '.join(sorted(a.model_type for a in ARCHITECTURES.values()))}.")
+
+
+def read_hf_config(path: Union[str, os.PathLike]) -> dict:
+    """`<path>/config.json` as a dict, checked to be an architecture we support."""
+    data = read_config_json(path)
+    architecture_of(HFConfig(data, str(Path(path) / "config.json")))
+    return data
+
+
+def gpt_config_from_hf(path_or_dict: PathOrDict, seq_length: Optional[int] = None,
+                       **overrides: Any) -> tuple[GPTConfig, str]:
+    """(GPTConfig, family) for a checkpoint directory or a config.json dict.
+
+    `seq_length` defaults to min(max_position_embeddings, 4096) and may not exceed it;
+    `overrides` replace any GPTConfig field afterwards (e.g. transformer_impl). Inputs longer
+    than seq_length are refused where they enter.
+    """
+    if isinstance(path_or_dict, dict):
+        hf = HFConfig(path_or_dict)
+    else:
+        hf = HFConfig(read_config_json(path_or_dict), str(Path(path_or_dict) / "config.json"))
+    arch = architecture_of(hf)
+    fields = arch.gpt_config(hf)
+    longest = hf["max_position_embeddings"]
+    seq_length = seq_length or min(longest, DEFAULT_SEQ_LENGTH_CAP)
+    if seq_length > longest:
+        hf.refuse("max_position_embeddings", f"seq_length={seq_length} (model_overrides) is "
+                  f"longer than the model was built for; use seq_length <= {longest}.")
+    window = fields.get("sliding_window")
+    if window is not None and window < seq_length:
+        # HF's window keeps kv positions q-W < kv <= q: a no-op while seq_length <= W.
+        hf.refuse("sliding_window", f"sliding-window attention is not supported, and the window "
+                  f"is shorter than seq_length={seq_length}; train at seq_length <= {window}.")
+    types = set(hf.get("layer_types") or [])
+    if types - {"full_attention", "sliding_attention"}:
+        hf.refuse("layer_types", f"layer types {sorted(types - {'full_attention', 'sliding_attention'})} "
+                  f"are not supported.")
+    if "sliding_attention" in types and fields.get("sliding_window") is None:
+        hf.refuse("layer_types", "sliding_attention layers without a sliding window.")
+    return GPTConfig(**{**fields, "seq_length": seq_length, **overrides}), arch.model_type
+
+
+def hf_config_dict_from_gpt(cfg: GPTConfig, family: str, **hf_overrides: Any) -> dict:
+    """config.json contents for `cfg` as a `family` model, via transformers' own config class.
+
+    `max_position_embeddings` is cfg.seq_length; pass it (or bos/eos_token_id, ...) in
+    `hf_overrides` to write something else.
+    """
+    import transformers
+
+    arch = by_family(family)
+    kwargs = dict(architectures=[arch.hf_class]) | arch.hf_config(cfg) | hf_overrides
+    return getattr(transformers, arch.config_class)(**kwargs).to_dict()
+
+
+def family_of(cfg: GPTConfig) -> Optional[str]:
+    """The HF family a model built from a GPTConfig is exported as: the first architecture
+    (by `scratch_order`, then name) that expresses it; None if none does."""
+    for arch in sorted(ARCHITECTURES.values(), key=lambda a: (a.scratch_order, a.model_type)):
+        try:
+            arch.hf_config(cfg)
+        except HFCheckpointError:
+            continue
+        return arch.model_type
+    return None
+
+
+def weights(cfg: GPTConfig, family: Optional[str]) -> list[Entry]:
+    """The weight table of `family` for `cfg`."""
+    return _family(cfg, family).weights(cfg)
+
+
+def export_config(cfg: GPTConfig, family: Optional[str], source_dir=None) -> Optional[dict]:
+    """The config.json an export writes: None when `source_dir` (the HF directory the model
+    came from) has one, which is copied instead."""
+    if source_dir is not None and (Path(source_dir) / "config.json").is_file():
+        return None
+    return hf_config_dict_from_gpt(cfg, _family(cfg, family).model_type)
+
+
+def _family(cfg: GPTConfig, family: Optional[str]) -> Architecture:
+    if family is None:
+        reasons = []
+        for arch in ARCHITECTURES.values():
+            try:
+                arch.hf_config(cfg)
+            except HFCheckpointError as e:
+                reasons.append(str(e))
+        raise HFCheckpointError("no Hugging Face architecture expresses this model: "
+                                + "; ".join(sorted(reasons)))
+    return by_family(family)
+
+
+_discover()

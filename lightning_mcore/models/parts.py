@@ -1,0 +1,232 @@
+"""What the family modules share: config.json <-> GPTConfig pieces and weight-table builders.
+
+Weight tables name mcore parameters (local layer spec names, inside one GPTModel chunk) and the
+HF tensors they are made of; `{L}` is the layer, `{E}` the expert (hf/mappings.py).
+
+Sharding at a glance (tensor-parallel dim, stated by each transform in hf/transforms.py):
+    embedding / output_layer   Vocab    dim 0 (padded vocab rows)
+    linear_qkv (+bias)         QKV      dim 0 (whole query groups)
+    linear_proj, linear_fc2    Split(1) row-parallel
+    linear_fc1                 GateUp   dim 0 ([gate_i; up_i])
+    norms, q/k norms, router   Replicated
+    experts                    as their dense twins, over expert-TP; experts split over EP
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.hf.mappings import Entry
+from lightning_mcore.hf.transforms import QKV, GateUp, Replicated, Split, Vocab
+from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.rope import SUPPORTED_ROPE_TYPES
+from lightning_mcore.models.architecture import HFConfig
+
+M, H = "decoder.layers.{L}.", "model.layers.{L}."
+ROPE_FACTORS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+# ---------------------------------------------------------------- config.json -> GPTConfig
+def rope(hf: HFConfig, params: Optional[dict] = None) -> tuple[float, Optional[dict]]:
+    """(rope theta, HF-style scaling dict or None for plain RoPE), from transformers 5's
+    `rope_parameters` (or `params`, one layer type's entry) or transformers 4's
+    `rope_theta` + `rope_scaling`."""
+    if params is not None or "rope_parameters" in hf:  # transformers 5
+        params = dict(params if params is not None else hf["rope_parameters"])
+        field = "rope_parameters"
+        if params and all(isinstance(v, dict) for v in params.values()):
+            hf.refuse(field, "per-layer-type RoPE parameters are not supported by this family.")
+    else:  # transformers 4
+        params = dict(hf.get("rope_scaling") or {})
+        field = "rope_scaling"
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        hf.refuse(field, f"rope_type {kind!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        hf.refuse("partial_rotary_factor", "only 1 (RoPE on the whole head) is supported.")
+    if theta != math.floor(theta):  # mcore's GPTModel takes rotary_base as an int
+        hf.refuse("rope_theta", "a non-integer rope_theta is not supported.")
+    missing = [k for k in ROPE_FACTORS[kind] if params.get(k) is None]
+    if missing:
+        raise HFCheckpointError(f"{hf.source}: {field} ({kind}) lacks {', '.join(missing)}.")
+    if kind == "default":
+        return theta, None
+    return theta, {"rope_type": kind, **{k: params[k] for k in ROPE_FACTORS[kind]}}
+
+
+def refuse_unless(hf: HFConfig, field: str, allowed, why: str) -> None:
+    """Refuse `field` when set to anything but one of `allowed` (None: the field is absent)."""
+    allowed = allowed if isinstance(allowed, (tuple, list)) else (allowed,)
+    if hf.data.get(field) not in allowed:
+        hf.refuse(field, why)
+
+
+def decoder(hf: HFConfig, act: str = "silu", **fields) -> dict:
+    """GPTConfig fields of a Llama-style decoder (GQA, RoPE, RMSNorm, gated MLP, no biases);
+    `fields` add or replace (e.g. add_qkv_bias=True)."""
+    refuse_unless(hf, "hidden_act", (act, None), f"only {act} is supported for this family.")
+    if hf.get("attention_bias") and not fields.get("add_qkv_bias"):
+        hf.refuse("attention_bias", "attention projection biases (incl. o_proj) are not supported.")
+    if hf.get("mlp_bias"):
+        hf.refuse("mlp_bias", "MLP biases are not supported.")
+    theta, scaling = rope(hf)
+    heads = hf["num_attention_heads"]
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads", heads),
+        kv_channels=hf.get("head_dim", hf["hidden_size"] // heads),
+        vocab_size=hf["vocab_size"],
+        rotary_base=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        init_method_std=hf.get("initializer_range", 0.02),
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+    ) | fields
+
+
+def num_experts(hf: HFConfig) -> int:
+    """transformers 4 writes num_experts, transformers 5 num_local_experts."""
+    if "num_experts" not in hf and "num_local_experts" not in hf:
+        raise HFCheckpointError(f"{hf.source}: missing required field num_experts "
+                                f"(or num_local_experts).")
+    return hf.get("num_experts", hf.get("num_local_experts"))
+
+
+def moe(hf: HFConfig, experts: int, **fields) -> dict:
+    """GPTConfig MoE fields for a softmax top-k router; `fields` add or replace."""
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        # norm_topk_prob: HF renormalises the top-k softmax probs = mcore's softmax over the
+        # top-k logits (pre_softmax=False). Otherwise HF keeps the full-softmax probs of the
+        # chosen experts = mcore pre_softmax=True.
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+    ) | fields
+
+
+# ---------------------------------------------------------------- GPTConfig -> config.json
+VARIANT_FIELDS = (
+    "add_qkv_bias", "qk_layernorm", "activation", "zero_centered_norm", "post_norms",
+    "embedding_scale", "softmax_scale", "sliding_window", "layer_types", "local_rotary_base",
+    "mla", "num_moe_experts", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate", "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+)
+_DEFAULTS = GPTConfig()
+
+
+def expressible(cfg: GPTConfig, family: str, free: tuple[str, ...] = (), **fixed) -> None:
+    """Refuse `cfg` unless each field in `fixed` has that value, and every other architecture
+    variant but those in `free` is at its default: an export must describe the model trained."""
+    for name in VARIANT_FIELDS:
+        if name in free:
+            continue
+        value, want = getattr(cfg, name), fixed.get(name, getattr(_DEFAULTS, name))
+        if value != want:
+            raise HFCheckpointError(f"{family} needs GPTConfig.{name}={want!r}, got {value!r}.")
+    if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") not in SUPPORTED_ROPE_TYPES:
+        raise HFCheckpointError(f"rope_scaling {cfg.rope_scaling!r} is not supported.")
+
+
+def decoder_hf(cfg: GPTConfig, act: str = "silu") -> dict:
+    """transformers config kwargs of a Llama-style decoder."""
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        hidden_act=act,
+        max_position_embeddings=cfg.seq_length,
+        rms_norm_eps=cfg.norm_epsilon,
+        initializer_range=cfg.init_method_std,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_dropout=cfg.attention_dropout,
+        # Accepted by transformers 4 as is and converted to rope_parameters by transformers 5.
+        rope_theta=float(cfg.rotary_base),
+        rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+    )
+
+
+def moe_hf(cfg: GPTConfig) -> dict:
+    return dict(
+        num_experts_per_tok=cfg.moe_router_topk,
+        moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        norm_topk_prob=not cfg.moe_router_pre_softmax,
+    )
+
+
+# ---------------------------------------------------------------- weight tables
+def ends(tied: bool, embed: str = "model.embed_tokens.weight", norm: str = "model.norm.weight",
+         head: str = "lm_head.weight") -> list[Entry]:
+    """Embedding, final norm and output layer (reading the embedding when tied)."""
+    return [
+        Entry("embedding.word_embeddings.weight", (embed,), Vocab(), (("V", "h"),)),
+        Entry("decoder.final_layernorm.weight", (norm,), Replicated(), (("h",),)),
+        Entry("output_layer.weight", (embed if tied else head,), Vocab(), (("V", "h"),),
+              export=not tied),
+    ]
+
+
+def norm(mcore: str, hf: str, size: str = "h") -> Entry:
+    return Entry(M + mcore, (H + hf,), Replicated(), ((size,),))
+
+
+def attention(qkv_bias: bool = False, qk_norm: bool = False, attn: str = "self_attn.",
+              norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")) -> list[Entry]:
+    """GQA attention with fused QKV, its input norm and the norm before the MLP (`norms`: their
+    HF names)."""
+    out = [
+        norm("input_layernorm.weight", norms[0] + ".weight"),
+        Entry(M + "self_attention.linear_qkv.weight",
+              tuple(H + f"{attn}{p}_proj.weight" for p in "qkv"), QKV(),
+              (("q", "h"), ("kv", "h"), ("kv", "h"))),
+        Entry(M + "self_attention.linear_proj.weight", (H + f"{attn}o_proj.weight",), Split(1),
+              (("h", "q"),)),
+        norm("pre_mlp_layernorm.weight", norms[1] + ".weight"),
+    ]
+    if qkv_bias:
+        out.append(Entry(M + "self_attention.linear_qkv.bias",
+                         tuple(H + f"{attn}{p}_proj.bias" for p in "qkv"), QKV(),
+                         (("q",), ("kv",), ("kv",))))
+    if qk_norm:
+        out += [norm("self_attention.q_layernorm.weight", f"{attn}q_norm.weight", "d"),
+                norm("self_attention.k_layernorm.weight", f"{attn}k_norm.weight", "d")]
+    return out
+
+
+def gated_mlp(mcore: str, hf: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+              size: str = "f", expert: bool = False) -> list[Entry]:
+    """fc1 = [gate; up] and fc2 = down of a gated MLP under `mcore` / `hf` prefixes."""
+    gate, up, down = (f"{hf}{n}.weight" for n in names)
+    return [
+        Entry(mcore + "linear_fc1.weight", (gate, up), GateUp(), ((size, "h"), (size, "h")),
+              expert=expert),
+        Entry(mcore + "linear_fc2.weight", (down,), Split(1), (("h", size),), expert=expert),
+    ]
+
+
+def dense_mlp(hf: str = H + "mlp.") -> list[Entry]:
+    return gated_mlp(M + "mlp.", hf)
+
+
+def experts(hf: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+            router: str = H + "mlp.gate.weight") -> list[Entry]:
+    """The router and the routed experts (`hf`: the prefix of expert {E})."""
+    return [Entry(M + "mlp.router.weight", (router,), Replicated(), (("E", "h"),))] + gated_mlp(
+        M + "mlp.experts.local_experts.{E}.", hf, names, size="mf", expert=True)

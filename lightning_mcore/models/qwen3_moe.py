@@ -1,0 +1,34 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention, a softmax top-k router on every layer
+(renormalised when norm_topk_prob), no shared expert."""
+
+from __future__ import annotations
+
+from lightning_mcore.models import parts
+from lightning_mcore.models.qwen3 import Qwen3
+
+
+class Qwen3Moe(Qwen3):
+    hf_class, model_type, config_class = "Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeConfig"
+    required = ("intermediate_size", "num_key_value_heads", "num_experts_per_tok",
+                "moe_intermediate_size")
+
+    def gpt_config(self, hf):
+        if hf.get("decoder_sparse_step", 1) != 1:
+            hf.refuse("decoder_sparse_step", "mixed dense/MoE layer stacks are not supported.")
+        if hf.get("mlp_only_layers"):
+            hf.refuse("mlp_only_layers", "mixed dense/MoE layer stacks are not supported.")
+        return super().gpt_config(hf) | parts.moe(hf, parts.num_experts(hf))
+
+    def hf_config(self, cfg):
+        if not cfg.num_moe_experts:
+            raise parts.HFCheckpointError(f"{self.model_type} needs num_moe_experts.")
+        parts.expressible(cfg, self.model_type, free=("num_moe_experts",), qk_layernorm=True)
+        return parts.decoder_hf(cfg) | parts.moe_hf(cfg) | dict(
+            num_experts=cfg.num_moe_experts, decoder_sparse_step=1, mlp_only_layers=[])
+
+    def weights(self, cfg):
+        return (parts.ends(cfg.tie_word_embeddings) + parts.attention(qk_norm=True)
+                + parts.experts(parts.H + "mlp.experts.{E}."))
+
+
+ARCHITECTURE = Qwen3Moe()
