@@ -269,10 +269,12 @@ def run_ours(module, trainer: L.Trainer, prompts: Prompts, out: Path) -> Optiona
 # ---------------------------------------------------------------------- transformers' side
 def run_reference(directory: str, prompts: Prompts, dtype: torch.dtype) -> tuple[dict, list[str]]:
     """transformers' logits and decoder-layer outputs (on CPU), with the layers' module names."""
-    from transformers import AutoModelForCausalLM
+    import transformers
+    from packaging.version import Version
 
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
-    model = model.to(dtype).eval()  # any transformers version: weights loaded, then cast
+    # transformers 4.56 renamed torch_dtype to dtype (5 defaults to the checkpoint's dtype)
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **{key: dtype}).eval()
     names, layers = decoder_layers(model)
     kept: dict[int, torch.Tensor] = {}
     handles = [layer.register_forward_hook(_keep_output(kept, i)) for i, layer in enumerate(layers)]
@@ -314,16 +316,20 @@ def build_prompts(texts: Optional[list[str]], tokenizer_dirs: list[str], vocab: 
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-        rows = [tokenizer(text)["input_ids"] for text in (texts or TEXTS)]
+        given = texts is not None
+        rows = [tokenizer(text)["input_ids"] for text in (texts if given else TEXTS)]
+        if not given:  # the default texts fit any model: cut to its seq_length
+            rows = [row[: seq_length // multiple * multiple] for row in rows]
         source = f"{len(rows)} texts, tokenized by {tokenizer_dir}"
-        for text, row in zip(texts or TEXTS, rows):
+        what = "--prompts: " if given else "the default prompts: "
+        for text, row in zip(texts if given else TEXTS, rows):
             if not row:
-                raise VerifyError(f"--prompts: {text!r} has no tokens.")
+                raise VerifyError(f"{what}{text!r} has no tokens.")
             if len(row) > seq_length:
-                raise VerifyError(f"--prompts: {text[:40]!r}... has {len(row)} tokens, more than the "
+                raise VerifyError(f"{what}{text[:40]!r}... has {len(row)} tokens, more than the "
                                   f"model's seq_length={seq_length}; shorten it.")
             if max(row) >= vocab:
-                raise VerifyError(f"--prompts: the tokenizer in {tokenizer_dir} gives token id {max(row)}, "
+                raise VerifyError(f"{what}the tokenizer in {tokenizer_dir} gives token id {max(row)}, "
                                   f"beyond the model's vocab_size={vocab}.")
     else:
         length = min(TOKEN_LENGTH, seq_length)

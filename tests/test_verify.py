@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_models import COMMON, FAMILIES, hf_logits, make_hf_model
 from lightning_mcore.cli import main
-from lightning_mcore.verify import relative_diff
+from lightning_mcore.verify import TEXTS, build_prompts, relative_diff
 
 ROOT = Path(__file__).parents[1]
 FORK = ["--start_method", "fork"]
@@ -151,6 +151,16 @@ def test_differences_are_relative_to_each_positions_scale():
     assert relative_diff(ref + torch.tensor([[1.0, 0.0], [0.0, 0.5], [0.0, 0.0]]), ref) == 0.25
     assert relative_diff(ref + torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.03, 0.0]]), ref) == pytest.approx(0.03)
     assert relative_diff(ref + torch.tensor([[float("nan"), 0.0], [0.0] * 2, [0.0] * 2]), ref) == float("inf")
+
+
+def test_default_prompts_are_the_texts_when_there_is_a_tokenizer_and_fit_the_model(tmp_path):
+    tokenizer = ROOT / "configs" / "sample_data" / "tokenizer"
+    prompts = build_prompts(None, [str(tmp_path), str(tokenizer)], vocab=512, seq_length=41, multiple=2)
+    expected = [tf.AutoTokenizer.from_pretrained(tokenizer)(t)["input_ids"][:40] for t in TEXTS]
+    assert prompts.lengths == [len(e) for e in expected] and str(tokenizer) in prompts.source
+    assert [row[:n].tolist() for row, n in zip(prompts.tokens, prompts.lengths)] == expected
+    without = build_prompts(None, [str(tmp_path)], vocab=200, seq_length=256, multiple=1)
+    assert without.tokens.shape == (3, 32) and int(without.tokens.max()) < 200
 
 
 @pytest.mark.gpu
