@@ -27,7 +27,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Literal, NoReturn, Optional
 
 import lightning as L
 import torch
@@ -142,7 +142,8 @@ class Report:
 
     def table(self) -> str:
         rows = [
-            ("model", self.model + ("" if self.reference == self.model else f" (reference: {self.reference})")),
+            ("model", self.model if self.reference == self.model
+             else f"{self.model} (reference: {self.reference})"),
             ("layout", self.layout),
             ("prompts", self.prompts),
             ("max |logit diff|", f"{self.max_logit_diff:.3e} (largest |logit| {self.max_logit:.3g})"),
@@ -274,7 +275,8 @@ def run_reference(directory: str, prompts: Prompts, dtype: torch.dtype) -> tuple
 
     # transformers 4.56 renamed torch_dtype to dtype (5 defaults to the checkpoint's dtype)
     key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **{key: dtype}).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **{key: dtype})
+    model.eval()
     names, layers = decoder_layers(model)
     kept: dict[int, torch.Tensor] = {}
     handles = [layer.register_forward_hook(_keep_output(kept, i)) for i, layer in enumerate(layers)]
@@ -298,7 +300,8 @@ def decoder_layers(model) -> tuple[list[str], list]:
     """The decoder layers of a transformers causal LM and their module names (model.layers.N)."""
     count = model.config.get_text_config().num_hidden_layers
     for name, module in model.named_modules():
-        if name.split(".")[-1] == "layers" and isinstance(module, torch.nn.ModuleList) and len(module) == count:
+        if name.split(".")[-1] == "layers" and isinstance(module, torch.nn.ModuleList) \
+                and len(module) == count:
             return [f"{name}.{i}" for i in range(count)], list(module)
     raise VerifyError(f"{type(model).__name__} has no list of {count} decoder layers named `layers`.")
 
@@ -307,7 +310,8 @@ def decoder_layers(model) -> tuple[list[str], list]:
 def build_prompts(texts: Optional[list[str]], tokenizer_dirs: list[str], vocab: int, seq_length: int,
                   multiple: int) -> Prompts:
     """The prompts as token rows, padded to one length that is a multiple of `multiple`."""
-    tokenizer_dir = next((d for d in tokenizer_dirs if any((Path(d) / f).is_file() for f in TOKENIZER_FILES)), None)
+    has_tokenizer = [d for d in tokenizer_dirs if any((Path(d) / f).is_file() for f in TOKENIZER_FILES)]
+    tokenizer_dir = has_tokenizer[0] if has_tokenizer else None
     if texts is not None and tokenizer_dir is None:
         where = " nor ".join(dict.fromkeys(tokenizer_dirs))
         raise VerifyError(f"--prompts are text and need a tokenizer, but there is none in {where} "
@@ -349,7 +353,8 @@ def build_prompts(texts: Optional[list[str]], tokenizer_dirs: list[str], vocab: 
 
 def check_directory(option: str, path: str) -> None:
     if not Path(path).is_dir():
-        raise VerifyError(f"{option}={path} is not a directory; expected a Hugging Face checkpoint directory.")
+        raise VerifyError(f"{option}={path} is not a directory; expected a Hugging Face checkpoint "
+                          f"directory.")
     if not (Path(path) / "config.json").is_file():
         raise VerifyError(f"{option}={path} has no config.json; expected a Hugging Face checkpoint "
                           f"directory (as written by save_pretrained).")
@@ -377,7 +382,8 @@ def check_reference(reference: str, vocab: int) -> None:
     try:
         config = AutoConfig.from_pretrained(reference, local_files_only=True)
     except (ValueError, OSError, KeyError) as error:
-        raise VerifyError(f"--reference={reference}: transformers cannot read its config.json: {error}") from error
+        raise VerifyError(f"--reference={reference}: transformers cannot read its config.json: "
+                          f"{error}") from error
     theirs = config.get_text_config().vocab_size
     if theirs != vocab:
         raise VerifyError(f"--reference={reference} has vocab_size={theirs}, the model {vocab}: "
@@ -451,14 +457,16 @@ def verify(model: str, reference: Optional[str] = None, layout: Layout = Layout(
     del module, trainer
     ref, names = run_reference(reference, rows, REFERENCE_DTYPES[reference_dtype])
     found = compare(ours, ref, rows, tolerance, names)
-    return Report(model=model, reference=reference, layout=layout.describe(use_te), prompts=rows.source, **found)
+    return Report(model=model, reference=reference, layout=layout.describe(use_te), prompts=rows.source,
+                  **found)
 
 
 def main(args=None) -> None:
     from jsonargparse import ActionYesNo, ArgumentParser
 
     parser = ArgumentParser(prog="lightning-mcore verify", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=str, required=True, help="the Hugging Face directory to load into our model")
+    parser.add_argument("--model", type=str, required=True,
+                        help="the Hugging Face directory to load into our model")
     parser.add_argument("--reference", type=Optional[str], default=None,
                         help="the Hugging Face directory transformers loads (default: --model), e.g. "
                              "the original of a converted or exported checkpoint")
@@ -468,21 +476,22 @@ def main(args=None) -> None:
     parser.add_argument("--sequence_parallel", action=ActionYesNo, default=False)
     parser.add_argument("--devices", type=Optional[int], default=None,
                         help="ranks to start (default: the fewest the parallel sizes need)")
-    parser.add_argument("--accelerator", type=str, choices=["cpu", "gpu"], default="cpu")
-    parser.add_argument("--precision", type=Optional[str], default=None,
+    parser.add_argument("--accelerator", type=Literal["cpu", "gpu"], default="cpu")
+    parser.add_argument("--precision", type=Optional[Literal["32-true", "bf16-mixed"]], default=None,
                         help=f"our model's precision, one of {', '.join(PRECISIONS)} (default: 32-true on "
                              f"cpu, bf16-mixed on gpu)")
     parser.add_argument("--tolerance", type=Optional[float], default=None,
                         help="largest relative difference that passes: max|ours - ref| / max(1, max|ref|) "
                              "over one position's logits or hidden state, the largest over positions "
                              "(default: " + ", ".join(f"{v:g} at {k}" for k, v in TOLERANCE.items())
-                             + f", {TF32_TOLERANCE:g} at 32-true with Transformer Engine, whose fp32 GEMMs use TF32)")
+                             + f", {TF32_TOLERANCE:g} at 32-true with Transformer Engine, whose fp32 "
+                               f"GEMMs use TF32)")
     parser.add_argument("--prompts", type=str, default=None, nargs="+",
                         help="text prompts (need a tokenizer in --model or --reference); default: a few "
                              "fixed texts, or fixed token ids where there is no tokenizer")
-    parser.add_argument("--reference_dtype", type=str, choices=list(REFERENCE_DTYPES), default="float32",
+    parser.add_argument("--reference_dtype", type=Literal["float32", "bfloat16"], default="float32",
                         help="dtype of transformers' model, which runs on CPU")
-    parser.add_argument("--start_method", type=str, choices=["popen", "fork", "spawn"], default="popen",
+    parser.add_argument("--start_method", type=Literal["popen", "fork", "spawn"], default="popen",
                         help="how the ranks start (Lightning's launcher): popen re-runs this command, "
                              "fork suits a call from Python")
     config = parser.parse_args(args)

@@ -72,7 +72,8 @@ def test_verify_fails_naming_the_layer_of_a_perturbed_weight(tmp_path, capsys):
     shutil.copytree(original, perturbed)
     weights = load_file(original / "model.safetensors")
     name = "model.layers.2.self_attn.o_proj.weight"
-    weights[name] = weights[name] + 0.05 * torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(0))
+    noise = torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(0))
+    weights[name] = weights[name] + 0.05 * noise
     save_file(weights, perturbed / "model.safetensors", metadata={"format": "pt"})
 
     code, out, err = verify(capsys, "--model", perturbed, "--reference", original,
@@ -149,7 +150,8 @@ def test_differences_are_relative_to_each_positions_scale():
     0.5 at another position of scale 2; below scale 1 a difference counts as it is."""
     ref = torch.tensor([[1000.0, 0.0], [2.0, 0.0], [0.1, 0.2]])
     assert relative_diff(ref + torch.tensor([[1.0, 0.0], [0.0, 0.5], [0.0, 0.0]]), ref) == 0.25
-    assert relative_diff(ref + torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.03, 0.0]]), ref) == pytest.approx(0.03)
+    small = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.03, 0.0]])
+    assert relative_diff(ref + small, ref) == pytest.approx(0.03)
     assert relative_diff(ref + torch.tensor([[float("nan"), 0.0], [0.0] * 2, [0.0] * 2]), ref) == float("inf")
 
 
@@ -171,7 +173,8 @@ def test_verify_with_transformer_engine_on_gpu(family, precision, tmp_path):
     """Transformer Engine layers (TP=2 + SP on 2 GPUs, else one) against transformers in fp32 on
     CPU, within the precision's default tolerance (bf16: 1e-1; 32-true: TE's GEMMs run TF32)."""
     make_hf_model(family, tmp_path / family)
-    layout = ["--tensor_model_parallel_size", "2", "--sequence_parallel"] if torch.cuda.device_count() >= 2 else []
+    two = torch.cuda.device_count() >= 2
+    layout = ["--tensor_model_parallel_size", "2", "--sequence_parallel"] if two else []
     run = subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "verify", "--model", str(tmp_path / family),
                           "--accelerator", "gpu", "--precision", precision, *layout],
                          capture_output=True, text=True, timeout=600)
