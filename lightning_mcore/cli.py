@@ -4,6 +4,7 @@
     lightning-mcore fit --config configs/quickstart.yaml --trainer.max_steps 10
     lightning-mcore fit --config configs/quickstart.yaml --print_config
     lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out
+    lightning-mcore verify --model hf-dir --tensor_model_parallel_size 2
 
 Config mistakes end with `error: ...` naming the key and exit code 2, without a traceback:
 unknown keys and wrong types (jsonargparse), parallel layouts that cannot work with the world
@@ -33,7 +34,9 @@ from lightning_mcore.strategy.parallel import LayoutError
 
 EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no training code): "
                "lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out "
-               "[--mode peft] [--overwrite]; see lightning-mcore export --help.")
+               "[--mode peft] [--overwrite]; see lightning-mcore export --help. "
+               "verify: an HF checkpoint in our model against transformers: lightning-mcore verify "
+               "--model hf-dir [--tensor_model_parallel_size 2 ...]; see lightning-mcore verify --help.")
 
 
 class MegatronCLI(LightningCLI):
@@ -343,6 +346,10 @@ def main(args=None) -> None:
         from lightning_mcore.export_checkpoint import main as export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["verify"]:  # our model of an HF checkpoint against transformers'
+        from lightning_mcore.verify import main as verify_main
+
+        return verify_main(argv[1:])
     MegatronCLI(args=args)
 
 
