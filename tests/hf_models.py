@@ -17,6 +17,9 @@ FAMILIES = {
                          "original_max_position_embeddings": 32})),
     "llama_tied": lambda: (tf.LlamaConfig, tf.LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "qwen2": lambda: (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict()),
+    # The README's example of a one-file family (lightning_mcore/models/seed_oss.py).
+    "seed_oss": lambda: (tf.SeedOssConfig, tf.SeedOssForCausalLM, dict(
+        head_dim=16, attention_dropout=0.0, residual_dropout=0.0)),
     "qwen3": lambda: (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=24)),
     "mistral": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
     "mistral_window": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=8)),
@@ -29,6 +32,8 @@ FAMILIES = {
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
     "mixtral": lambda: (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "mixtral_window": lambda: (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
     # Layer 2 dense (mlp_only_layers, intermediate_size); top-k probs not renormalised.
     "qwen2_moe": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

@@ -28,7 +28,7 @@ LAYOUTS = {
 CASES = [(f, lay) for f in ("llama", "llama_tied", "qwen2", "qwen3", "mistral")
          for lay in ("tp1", "tp2", "pp2")] + [("qwen3_moe", "tp1"), ("qwen3_moe", "ep2")]
 CASES += [(f, lay) for f in ("mixtral", "qwen2_moe") for lay in ("tp1", "tp2_sp", "pp2", "ep2", "ep2_tp2")]
-CASES += [("qwen2_moe_step", "tp1"), ("qwen2_moe_step", "pp2")]
+CASES += [("qwen2_moe_step", "tp1"), ("qwen2_moe_step", "pp2"), ("seed_oss", "tp1"), ("seed_oss", "tp2")]
 
 
 class SaveLogitsAndExport(L.Callback):

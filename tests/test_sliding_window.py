@@ -153,7 +153,7 @@ LAYOUTS = {
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
 }
 CASES = [("mistral_window", "tp1"), ("mistral_window", "tp2sp"), ("qwen2_window", "tp2sp"),
-         ("qwen2_window", "pp2"), ("qwen3_moe_window", "tp1")]
+         ("qwen2_window", "pp2"), ("qwen3_moe_window", "tp1"), ("mixtral_window", "tp2sp")]
 
 
 @pytest.mark.distributed
