@@ -15,7 +15,8 @@ _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # The config.json fields behind the shape symbols of the mapping tables.
 _FIELDS = {"h": "hidden_size", "q": "num_attention_heads*head_dim", "kv": "num_key_value_heads*head_dim",
            "d": "head_dim", "f": "intermediate_size", "mf": "moe_intermediate_size",
-           "V": "vocab_size", "E": "num_experts"}
+           "V": "vocab_size", "E": "num_experts",
+           "sf": "shared_expert_intermediate_size", "1": "1"}
 
 
 def dims_of(cfg, padded_vocab: int) -> Dims:

@@ -163,6 +163,7 @@ def base_path(name: str) -> str:
 def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -> None:
     """Freeze every base parameter and attach adapters to the targeted layers."""
     targets = resolve_targets(lora.target_modules)
+    mlps_elsewhere = bool(chunks) and _mlps_outside_routed_experts(chunks[0].config)
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
@@ -173,12 +174,23 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
                 if short not in targets:
                     continue
                 if ".experts." in f".{path}.":
+                    if mlps_elsewhere:
+                        continue  # the dense and shared-expert MLPs take the MLP targets
                     raise LoRAError(
                         f"LoRA on MoE expert layers ({path}) is not supported yet; target the "
                         f"attention linears (linear_qkv, linear_proj) of MoE models."
                     )
                 _attach(adapters, layer.layer_number, path, module, lora, seed)
         chunk.add_module("lora", adapters)
+
+
+def _mlps_outside_routed_experts(config) -> bool:
+    """Whether a MoE model also has dense MLPs (a mixed stack) or shared experts: MLP targets
+    then adapt those and leave the routed experts frozen, as peft does on transformers 5 (its
+    experts are fused tensors, not linears)."""
+    freq = config.moe_layer_freq
+    mixed = 0 in freq if isinstance(freq, list) else freq > 1
+    return mixed or bool(config.moe_shared_expert_intermediate_size)
 
 
 def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, seed: int) -> None:
