@@ -1,6 +1,7 @@
 """Acceptance for Gemma 3 (text): logits equal transformers' at TP=1, TP=2 with sequence
-parallelism and PP=2; the export is bit-identical; a TP=2 training step equals TP=1; LoRA exports
-a PEFT adapter that peft loads with equal logits; what we do not compute is refused by name.
+parallelism and PP=2, for inputs 4x the sliding window; the export is bit-identical; a TP=2
+training step equals TP=1; a packed batch equals its samples one per row; LoRA exports a PEFT
+adapter that peft loads with equal logits; what we do not compute is refused by name.
 
 The tiny model (tests/hf_models.py "gemma3") has local and global layers on both pipeline
 stages, each with its own RoPE base, head_dim != hidden/heads and query_pre_attn_scalar !=
@@ -29,7 +30,7 @@ from test_sft_packing import SEQ as PACKED_SEQ
 from test_sft_packing import run as run_sft
 from toy import TokenRows, assemble, fit
 
-SEQ = 8  # the tiny model's sliding window
+SEQ = 32  # 4x the tiny model's sliding window (8)
 LAYOUTS = {
     "tp1": (1, {}),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
@@ -103,10 +104,10 @@ def test_training_steps_at_tp2_sp_equal_tp1(tmp_path):
 
 @pytest.mark.distributed
 def test_packed_batch_equals_one_sample_per_row(tmp_path):
-    """Local and global RoPE restart at each packed sample, at TP=1 and TP=2 + SP (one SGD
-    step: equal losses and equal gradients, as tests/test_sft_packing.py)."""
+    """Local and global RoPE restart at each packed sample and windows stay within it, at TP=1
+    and TP=2 + SP (one SGD step: equal losses and equal gradients, as tests/test_sft_packing.py)."""
     cfg, _ = gpt_config_from_hf(hf_config_dict("gemma3"), seq_length=SEQ)
-    cfg = dataclasses.replace(cfg, seq_length=PACKED_SEQ, sliding_window=PACKED_SEQ, vocab_size=500)
+    cfg = dataclasses.replace(cfg, seq_length=PACKED_SEQ, vocab_size=500)
     data = samples()
     packed = [build_row([data[i] for i in row], PACKED_SEQ, pad_id=0) for row in pack(LENGTHS, PACKED_SEQ)]
     single = [{k: v for k, v in build_row([s], PACKED_SEQ, pad_id=0).items() if k != "segment_ids"}
