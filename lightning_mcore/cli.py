@@ -4,6 +4,7 @@
     lightning-mcore fit --config configs/quickstart.yaml --trainer.max_steps 10
     lightning-mcore fit --config configs/quickstart.yaml --print_config
     lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out
+    lightning-mcore verify --model hf-dir --tensor_model_parallel_size 2
 
 Config mistakes end with `error: ...` naming the key and exit code 2, without a traceback:
 unknown keys and wrong types (jsonargparse), parallel layouts that cannot work with the world
@@ -33,7 +34,9 @@ from lightning_mcore.strategy.parallel import LayoutError
 
 EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no training code): "
                "lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out "
-               "[--mode peft] [--overwrite]; see lightning-mcore export --help.")
+               "[--mode peft] [--overwrite]; see lightning-mcore export --help. "
+               "verify: an HF checkpoint in our model against transformers: lightning-mcore verify "
+               "--model hf-dir [--tensor_model_parallel_size 2 ...]; see lightning-mcore verify --help.")
 
 
 class MegatronCLI(LightningCLI):
@@ -156,7 +159,7 @@ class MegatronCLI(LightningCLI):
     def _check_hf_source(self, module: MegatronModule) -> None:
         """The HF directory behind the model: every safetensors file it will read is there with
         a complete header; a model fine-tuned from one of our checkpoints still fits its
-        config.json (seq_length within max_position_embeddings and a sliding window)."""
+        config.json (seq_length within max_position_embeddings, the same sliding windows)."""
         from lightning_mcore.hf.checkpoint import CheckpointError, open_safetensors, weight_map
         from lightning_mcore.hf.config import HFCheckpointError
         from lightning_mcore.models import gpt_config_from_hf
@@ -167,13 +170,28 @@ class MegatronCLI(LightningCLI):
         key = f"model.init_args.model={module.init_checkpoint or source}"
         try:
             if module.init_checkpoint is not None:
-                gpt_config_from_hf(source, seq_length=module.model_config.seq_length)
+                hf_model, _ = gpt_config_from_hf(source, seq_length=module.model_config.seq_length)
+                self._check_windows(key, hf_model, module.model_config, source)
                 return
             for file in sorted(set(weight_map(Path(source)).values())):
                 with open_safetensors(file):
                     pass
         except (CheckpointError, HFCheckpointError) as error:
             self._error(f"{key}: {error}", error)
+
+    def _check_windows(self, key: str, hf_model, model, source) -> None:
+        """A checkpoint saved before sliding windows were computed records none: beyond the
+        window its model would attend where the HF model it came from does not."""
+        def windows(cfg):
+            return [cfg.sliding_window if cfg.is_window_layer(i) else None for i in range(cfg.num_layers)]
+
+        if hf_model.uses_sliding_window() and windows(hf_model) != windows(model):
+            self._error(
+                f"{key} has sliding_window={model.sliding_window}, layer_types={model.layer_types}, "
+                f"but the Hugging Face model it came from ({Path(source) / 'config.json'}) has "
+                f"sliding_window={hf_model.sliding_window}, layer_types={hf_model.layer_types}: set "
+                f"them in model.init_args.model_overrides (or seq_length <= {hf_model.sliding_window})."
+            )
 
     def _read_checkpoint(self, key: str, path: Path, read, subcommand: Optional[str] = None) -> None:
         """`read(path)` (checkpoint_io's), its refusal or any failure to read common.pt as an
@@ -328,6 +346,10 @@ def main(args=None) -> None:
         from lightning_mcore.export_checkpoint import main as export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["verify"]:  # our model of an HF checkpoint against transformers'
+        from lightning_mcore.verify import main as verify_main
+
+        return verify_main(argv[1:])
     MegatronCLI(args=args)
 
 

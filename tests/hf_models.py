@@ -17,10 +17,38 @@ FAMILIES = {
                          "original_max_position_embeddings": 32})),
     "llama_tied": lambda: (tf.LlamaConfig, tf.LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "qwen2": lambda: (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict()),
+    # The README's example of a one-file family (lightning_mcore/models/seed_oss.py).
+    "seed_oss": lambda: (tf.SeedOssConfig, tf.SeedOssForCausalLM, dict(
+        head_dim=16, attention_dropout=0.0, residual_dropout=0.0)),
     "qwen3": lambda: (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=24)),
     "mistral": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
+    "mistral_window": lambda: (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=8)),
+    "qwen2_window": lambda: (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(
+        use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    "qwen3_moe_window": lambda: (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        use_sliding_window=True, sliding_window=8)),
     "qwen3_moe": lambda: (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "mixtral": lambda: (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "mixtral_window": lambda: (tf.MixtralConfig, tf.MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    # Layer 2 dense (mlp_only_layers, intermediate_size); top-k probs not renormalised.
+    "qwen2_moe": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=False)),
+    # Layers 1 and 3 sparse (decoder_sparse_step), renormalised top-k, no q/k/v biases.
+    "qwen2_moe_step": lambda: (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, decoder_sparse_step=2, norm_topk_prob=True,
+        qkv_bias=False)),
+    # local and global layers on both PP=2 stages; head_dim and query_pre_attn_scalar differ
+    "gemma3": lambda: (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(
+        head_dim=24, query_pre_attn_scalar=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
     # Multi-latent attention, YaRN, 1 dense layer then MoE with a shared expert; V3: sigmoid
     # router with a (randomised) bias, 2 groups of 2 experts, one group chosen.
     "deepseek_v3": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(DEEPSEEK, **YARN)),
@@ -54,7 +82,7 @@ def make_hf_model(name: str, directory: Path, seed: int = 0):
     model = model_cls(config).eval()
     with torch.no_grad():  # random non-trivial norms and biases, so mapping mistakes show
         for n, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or n.endswith("shared_expert_gate.weight"):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias

@@ -172,17 +172,6 @@ def test_seq_length_beyond_max_position_embeddings(capsys, tmp_path, hf_llama):
     assert str(hf / "config.json") in line and "model.init_args.model" in line
 
 
-def test_sliding_window_shorter_than_seq_length(capsys, tmp_path):
-    directory = tmp_path / "mistral"
-    transformers.MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=256, sliding_window=8).save_pretrained(directory)
-    line = refused(capsys, tmp_path, write_config(tmp_path, model=str(directory),
-                                                  model_overrides={"seq_length": 32}))
-    assert "sliding_window=8" in line and "seq_length=32" in line
-    assert str(directory / "config.json") in line
-
-
 # --------------------------------------------------------------- layout and precision
 def test_moe_with_tensor_parallel_needs_sequence_parallel(capsys, tmp_path):
     moe = dict(MODEL, num_moe_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2)
@@ -268,17 +257,24 @@ def test_model_checkpoint_with_truncated_common_pt(capsys, tmp_path):
 
 
 def test_fine_tuning_a_windowed_checkpoint_beyond_its_window(capsys, tmp_path):
-    """A checkpoint of a Mistral (window 8) trained at seq_length 8, fine-tuned at 32: its GPTConfig
-    has no window, the HF config.json it came from has."""
+    """A checkpoint of a Mistral (window 8) fine-tuned at seq_length 32: one that records its
+    window goes on (windows are computed); one saved before they were (trained at seq_length 8,
+    no window recorded) is refused: beyond 8 tokens it would attend where its HF model does not."""
     source = tmp_path / "mistral"
     transformers.MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                max_position_embeddings=256, sliding_window=8).save_pretrained(source)
     config, family = gpt_config_from_hf(source, seq_length=8)
-    ckpt = fake_checkpoint(tmp_path / "tuned.ckpt", config, hf_family=family, hf_path=str(source))
-    line = refused(capsys, tmp_path, write_config(tmp_path, model=str(ckpt), model_overrides={"seq_length": 32}),
-                   "--data.init_args.seq_length", "8")
-    assert f"model.init_args.model={ckpt}" in line and "sliding_window=8" in line and "seq_length=32" in line
+    assert config.sliding_window == 8
+    old = fake_checkpoint(tmp_path / "old.ckpt", dataclasses.replace(config, sliding_window=None),
+                          hf_family=family, hf_path=str(source))
+    line = refused(capsys, tmp_path, write_config(tmp_path, model=str(old), model_overrides={"seq_length": 32}))
+    assert f"model.init_args.model={old} has sliding_window=None" in line
+    assert "sliding_window=8" in line and str(source / "config.json") in line
+
+    windowed = fake_checkpoint(tmp_path / "new.ckpt", config, hf_family=family, hf_path=str(source))
+    with pytest.raises(AssertionError, match="Trainer.fit must not run"):  # every check passed
+        main(["fit", "--config", write_config(tmp_path, model=str(windowed), model_overrides={"seq_length": 32})])
 
 
 # --------------------------------------------------------------- HF weights
@@ -412,26 +408,28 @@ def test_seq_length_override_beyond_max_position_embeddings():
 
 
 class LogitsAndRefusal(L.Callback):
-    """Rank 0 saves the logits of the predicted batch and what forward_logits says to `long`."""
+    """Rank 0 saves the logits of the predicted batch, and forward_logits' logits of `long` or
+    what it says to `too_long`."""
 
-    def __init__(self, out: Path, long: torch.Tensor) -> None:
-        self.out, self.long = out, long
+    def __init__(self, out: Path, long: torch.Tensor, too_long: torch.Tensor) -> None:
+        self.out, self.long, self.too_long = out, long, too_long
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        long = pl_module.forward_logits(self.long)
         try:
-            pl_module.forward_logits(self.long)
+            pl_module.forward_logits(self.too_long)
             refusal = None
         except ValueError as error:
             refusal = str(error)
         if trainer.global_rank == 0:
-            torch.save({"logits": outputs, "refusal": refusal}, self.out)
+            torch.save({"logits": outputs, "long": long, "refusal": refusal}, self.out)
 
 
 @pytest.mark.distributed
-def test_sliding_window_model_matches_transformers_up_to_the_window(tmp_path):
-    """Mistral with sliding_window=8: at seq_length=8 every query sees all its keys, so the
-    logits equal transformers'; 32 tokens (where transformers masks keys further than 8 back)
-    are refused instead of attended in full."""
+def test_sliding_window_model_takes_inputs_longer_than_the_window(tmp_path):
+    """Mistral with sliding_window=8 at seq_length=32: 8 and 32 tokens (where transformers masks
+    keys further than 8 back) give transformers' logits; 33 tokens, longer than the model's
+    seq_length, are refused."""
     directory = tmp_path / "mistral"
     config = transformers.MistralConfig(vocab_size=200, hidden_size=64, intermediate_size=96,
                                         num_hidden_layers=2, num_attention_heads=4,
@@ -443,8 +441,8 @@ def test_sliding_window_model_matches_transformers_up_to_the_window(tmp_path):
     generator = torch.Generator().manual_seed(1)
     short = torch.randint(0, 200, (2, 8), generator=generator)
     long = torch.randint(0, 200, (1, 32), generator=generator)
-    assert (hf_logits(hf, long)[0, :8] - hf_logits(hf, long[:, :8])[0]).abs().max() < 1e-4
-    # beyond the window transformers' own logits differ from full attention's: refusing is right
+    too_long = torch.randint(0, 200, (1, 33), generator=generator)
+    # beyond the window transformers' own logits differ from full attention's
     unwindowed = transformers.MistralConfig(**{**config.to_dict(), "sliding_window": None})
     full = transformers.MistralForCausalLM(unwindowed)
     full.load_state_dict(hf.state_dict())
@@ -455,13 +453,14 @@ def test_sliding_window_model_matches_transformers_up_to_the_window(tmp_path):
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         strategy=MegatronStrategy(global_batch_size=2, start_method="fork"),
-        callbacks=[LogitsAndRefusal(out, long)],
+        callbacks=[LogitsAndRefusal(out, long, too_long)],
     )
-    module = PretrainModule(str(directory), model_overrides={"seq_length": 8})
+    module = PretrainModule(str(directory), model_overrides={"seq_length": 32})
     trainer.predict(module, DataLoader([{"tokens": t} for t in short], batch_size=2))
     saved = torch.load(out)
     assert (saved["logits"] - hf_logits(hf, short)).abs().max().item() <= 1e-4
-    assert saved["refusal"] and "32 tokens, more than the model's seq_length=8" in saved["refusal"]
+    assert (saved["long"] - hf_logits(hf, long)).abs().max().item() <= 1e-4
+    assert saved["refusal"] and "33 tokens, more than the model's seq_length=32" in saved["refusal"]
 
 
 # --------------------------------------------------------------- failures inside the workers

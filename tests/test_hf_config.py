@@ -201,18 +201,6 @@ def test_unsupported_rope_type(rope):
         gpt_config_from_hf(hf_dict("llama_tied", rope_scaling=rope))
 
 
-def test_mistral_sliding_window_shorter_than_seq_length():
-    hf = hf_dict("mistral", sliding_window=128)
-    with pytest.raises(HFCheckpointError, match="sliding_window=128.*seq_length=256"):
-        gpt_config_from_hf(hf)
-    assert gpt_config_from_hf(hf, seq_length=128)[0].seq_length == 128  # window covers all
-
-
-def test_qwen_sliding_window():
-    with pytest.raises(HFCheckpointError, match="use_sliding_window"):
-        gpt_config_from_hf(hf_dict("qwen2", use_sliding_window=True, max_window_layers=0))
-
-
 @pytest.mark.parametrize("field, value, match", [
     ("attention_bias", True, "attention_bias=True.*o_proj"),
     ("mlp_bias", True, "mlp_bias"),

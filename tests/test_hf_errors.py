@@ -171,3 +171,17 @@ def test_key_value_heads_not_divisible_by_tensor_parallel_size(tmp_path):
     message = str(info.value)
     assert "num_query_groups (2" in message and "key/value heads" in message
     assert "tensor_model_parallel_size (4)" in message
+
+
+@pytest.mark.distributed
+def test_checkpoint_tensor_the_model_has_no_place_for_is_refused(tmp_path):
+    """An o_proj bias in a Llama checkpoint whose config says nothing of it: transformers would
+    drop it with a warning; we refuse, naming it, instead of computing another model."""
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model("llama", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.bias"] = torch.ones(64)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    line = predict_error(tmp_path)
+    assert "1 tensor(s) have no place" in line and "model.layers.1.self_attn.o_proj.bias" in line, line

@@ -4,13 +4,14 @@ LoRA fine-tune and the multi-node commands have tests of their own.) Each run mu
 logged loss falls (DPO: below log 2, where every pair starts)."""
 
 import csv
+import json
 import math
 import re
 import subprocess
 import sys
 
 import pytest
-from readme import README, clean_env, code_blocks, commands, run, section, user_dir
+from readme import README, ROOT, clean_env, code_blocks, commands, run, section, user_dir
 
 
 def logged(directory, key: str) -> list[float]:
@@ -43,3 +44,20 @@ def test_readme_python_example_trains(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     (loss,) = [float(x) for x in re.findall(r"^LOSS (\S+)$", proc.stdout, re.M)]
     assert loss < 3.0  # from ~6.2 (log 512) at the start
+
+
+def test_readme_verify_command_passes(tmp_path):
+    """`lightning-mcore verify` on the bundled model at TP=2+SP, as the README shows it."""
+    (argv,) = [a for a in commands(section("Hugging Face checkpoints")) if a[1] == "verify"]
+    proc = run(argv, user_dir(tmp_path))
+    (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"verify"')]
+    assert line["verify"] == "pass" and line["top1_agree"] == line["positions"] > 0, line
+
+
+def test_readme_family_file_is_the_real_one():
+    """The one-file family the README shows is the file the package registers."""
+    from lightning_mcore import models
+
+    shown = [b for b in code_blocks(section("Hugging Face checkpoints"), "python") if "ARCHITECTURE" in b]
+    assert shown == [(ROOT / "lightning_mcore" / "models" / "seed_oss.py").read_text()]
+    assert models.ARCHITECTURES["SeedOssForCausalLM"].model_type == "seed_oss"

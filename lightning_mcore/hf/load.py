@@ -15,7 +15,8 @@ _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # The config.json fields behind the shape symbols of the mapping tables.
 _FIELDS = {"h": "hidden_size", "q": "num_attention_heads*head_dim", "kv": "num_key_value_heads*head_dim",
            "d": "head_dim", "f": "intermediate_size", "mf": "moe_intermediate_size",
-           "V": "vocab_size", "E": "num_experts", "sf": "shared expert intermediate size",
+           "V": "vocab_size", "E": "num_experts",
+           "sf": "shared_expert_intermediate_size", "1": "1",
            "ql": "q_lora_rank", "kvl": "kv_lora_rank", "kva": "kv_lora_rank+qk_rope_head_dim",
            "qh": "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)",
            "kvb": "num_attention_heads*(qk_nope_head_dim+v_head_dim)",
@@ -107,6 +108,7 @@ def load_hf_weights(chunks, directory, cfg, weights: list[Entry], padded_vocab: 
     ranks = parallel_ranks()
     entries = weights
     dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
+    read: set[str] = set()
     with SafetensorsReader(directory) as reader:
         for chunk in chunks:
             for param, entry, layer, expert in chunk_parameters(chunk, entries, cfg, ranks["ep"]):
@@ -120,3 +122,28 @@ def load_hf_weights(chunks, directory, cfg, weights: list[Entry], padded_vocab: 
                         f"{entry.mcore} of shape {list(param.shape)}."
                     )
                 param.copy_(shard)
+                read.update(names)
+        _refuse_unread(directory, reader.files, read, cfg.tie_word_embeddings)
+
+
+def _refuse_unread(directory: Path, in_checkpoint, read: set, tied: bool) -> None:
+    """Every checkpoint tensor must have a place in the model (over all ranks together): one
+    that nothing reads would be silently dropped, and the model would compute something else
+    (a bias or norm the family table does not know). Collective when distributed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(read))
+        read = set().union(*everyone)
+    left = sorted(n for n in in_checkpoint if n not in read
+                  and not n.endswith("rotary_emb.inv_freq")  # a buffer older exports carry
+                  and not (tied and n == "lm_head.weight"))  # transformers ties it over
+    if left:
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        raise CheckpointError(
+            f"{directory}: {len(left)} tensor(s) have no place in the model built from its "
+            f"config.json: {', '.join(left[:3])}{more}. Refusing to drop them (the model would "
+            f"compute something else); the checkpoint and its config.json disagree, or it holds "
+            f"parts this architecture's table does not map."
+        )

@@ -5,8 +5,9 @@ An entry names the mcore parameter (local layer spec names, inside one GPTModel 
 HF tensors it is made of, the transform between them (which also states the tensor-parallel
 dimension), and the HF shapes in symbols checked against the config before any read:
     h hidden, q heads x head_dim, kv groups x head_dim, d head_dim, f ffn, mf expert ffn,
-    sf shared-expert ffn, V vocab, E experts; multi-latent attention: ql / kvl q / kv latent
-    ranks, kva kv latent + RoPE dim, qh heads x q head, kvb heads x (k + v head), o heads x v head.
+    sf shared-expert ffn, V vocab, E experts, 1 one; multi-latent attention: ql / kvl q / kv
+    latent ranks, kva kv latent + RoPE dim, qh heads x q head, kvb heads x (k + v head), o heads x
+    v head.
 `{L}` is the layer (local index in mcore names, global in HF names); `{E}` the expert (local
 to the expert-parallel rank in mcore names, global in HF names).
 """
@@ -66,7 +67,7 @@ def shape_symbols(cfg) -> dict[str, int]:
         "h": cfg.hidden_size, "q": cfg.num_attention_heads * cfg.head_dim,
         "kv": groups * cfg.head_dim, "d": cfg.head_dim, "f": cfg.ffn_hidden_size,
         "mf": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, "V": cfg.vocab_size,
-        "E": cfg.num_moe_experts or 0, "sf": cfg.moe_shared_expert_intermediate_size or 0,
+        "E": cfg.num_moe_experts or 0, "sf": cfg.moe_shared_expert_intermediate_size or 0, "1": 1,
     }
     if cfg.mla is not None:  # multi-latent attention: latent ranks and per-head q/k, v sizes
         m, n = cfg.mla, cfg.num_attention_heads

@@ -4,6 +4,10 @@ mcore's own local DotProductAttention materialises the [b, heads, s, s] score ma
 out of memory at 1.2B / seq 4096 on an 80 GB H100); SDPA picks flash / memory-efficient
 kernels on GPU and a fused path on CPU. Same constructor and forward as DotProductAttention,
 so it drops into `submodules.core_attention`.
+
+Sliding windows follow mcore's config (`window_size`=(left, 0), `window_attn_skip_freq`) as
+its own attention and TE's do: a windowed layer's query q sees keys q - left <= k <= q, within
+its own sequence when sequences are packed.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
-from lightning_mcore.model.packing import block_causal_mask
+from lightning_mcore.model.packing import block_causal_mask, causal_mask
 
 
 class SDPAttention(MegatronModule):
@@ -43,6 +48,14 @@ class SDPAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        # HF's window W (keys q - W < k <= q) of this layer, or None: attends to all earlier keys.
+        self.window = None
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            left, right = config.window_size
+            if right != 0:
+                raise ValueError(f"window_size={config.window_size}: SDPAttention is causal, "
+                                 f"so it takes windows (left, 0) only.")
+            self.window = None if left < 0 else left + 1
 
     def forward(
         self,
@@ -58,13 +71,19 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention takes no attention_bias; use the Transformer Engine spec.")
         mask = None if attention_mask is None else ~attention_mask
         if packed_seq_params is not None:
-            # THD: [t, heads, d] holding several sequences; attend within each, causally. The
-            # [t, t] mask is fine for the CPU/local path; on GPU, TE's THD kernels do this.
+            # THD: [t, heads, d] holding several sequences; attend within each, causally (and
+            # within the window on a windowed layer). The [t, t] mask is fine for the CPU/local
+            # path; on GPU, TE's THD kernels do this.
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-            mask = block_causal_mask(packed_seq_params.cu_seqlens_q)
+            mask = block_causal_mask(packed_seq_params.cu_seqlens_q, self.window)
         sq, b = query.shape[:2]
+        sk = key.shape[0]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
         mask_type = attn_mask_type or self.attn_mask_type
+        if packed_seq_params is None and self.window is not None and sk > self.window:
+            # Keys further back than the window exist: causal alone would let queries see them.
+            window = causal_mask(sq, sk, self.window, query.device)
+            mask = window if mask is None else mask & window
         is_causal = mask is None and mask_type == AttnMaskType.causal
         dropout = self.dropout_p if self.training else 0.0
         rng = (

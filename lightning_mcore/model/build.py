@@ -26,8 +26,10 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from lightning_mcore.model.attention import SDPAttention
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.layer_rope import add_local_rope, with_layer_rope
 from lightning_mcore.model.mla import mla_layer_spec
 from lightning_mcore.model.norm import RMSNorm
+from lightning_mcore.model.post_norm import with_post_norms
 from lightning_mcore.model.rope import apply_rope_scaling
 
 
@@ -67,7 +69,12 @@ def block_spec(cfg: GPTConfig, tf_config, use_te: bool, vp_stage: Optional[int])
     its final norm."""
     first = get_transformer_layer_offset(tf_config, vp_stage=vp_stage)
     n = get_num_layers_to_build(tf_config, vp_stage=vp_stage)
-    specs = [layer_spec(cfg, use_te, moe=cfg.is_moe_layer(i)) for i in range(first, first + n)]
+    layers = range(first, first + n)
+    specs = [layer_spec(cfg, use_te, moe=cfg.is_moe_layer(i)) for i in layers]
+    if cfg.post_norms:
+        specs = [with_post_norms(s, use_te) for s in specs]
+    if cfg.local_rotary_base is not None:
+        specs = [with_layer_rope(s, local=cfg.is_window_layer(i)) for s, i in zip(specs, layers)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final_norm(use_te))
 
 
@@ -105,6 +112,10 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional
             vp_stage=stage,
         )
         apply_rope_scaling(model, cfg)
+        if cfg.local_rotary_base is not None:
+            add_local_rope(model, cfg)
+        if cfg.embedding_scale is not None and model.pre_process:
+            model.embedding.register_forward_hook(_scale_embeddings(cfg.embedding_scale))
         if fuse_wgrad:
             fuse_wgrad_accumulation(model)
         if model.post_process and (padded_vocab or cfg.padded_vocab_size(tp)) > cfg.vocab_size:
@@ -124,12 +135,23 @@ def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
     its `main_grad`), as MegatronStrategy does. Returns the number of layers switched."""
     switched = 0
     for module in model.modules():
-        if hasattr(module, "fuse_wgrad_accumulation") and type(module).__module__.startswith(
-            ("transformer_engine", "megatron.core.extensions.transformer_engine")
+        if hasattr(module, "fuse_wgrad_accumulation") and any(  # subclasses too (post norms)
+            c.__module__.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine"))
+            for c in type(module).__mro__
         ):
             module.fuse_wgrad_accumulation = True
             switched += 1
     return switched
+
+
+def _scale_embeddings(scale: float):
+    """Embeddings times `scale` (Gemma: sqrt(hidden)), the scale rounded to the activations'
+    dtype first as transformers does (sqrt(3072) is 55.5 in bf16)."""
+
+    def hook(module, args, output):
+        return output * torch.tensor(scale, dtype=torch.float32).to(output.dtype)
+
+    return hook
 
 
 def _mask_padded_vocab(vocab_size: int):

@@ -117,6 +117,12 @@ class GPTConfig:
             return False
         return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
 
+    def uses_sliding_window(self) -> bool:
+        """Whether some layer's window is shorter than seq_length (inputs are never longer, so
+        a window at least that long changes nothing and attention keeps its causal kernels)."""
+        return (self.sliding_window is not None and self.sliding_window < self.seq_length
+                and any(self.is_window_layer(i) for i in range(self.num_layers)))
+
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         """Vocab rounded up so every tensor-parallel rank holds an equal, aligned slice."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
@@ -128,6 +134,17 @@ class GPTConfig:
         if self.transformer_impl == "transformer_engine":
             return True
         return accelerator == "gpu" and te_available()
+
+
+def refuse_longer(seq: int, seq_length: int, what: str) -> None:
+    """Refuse sequences longer than the model's seq_length: beyond it the model computes
+    something else than it was configured for (positions past max_position_embeddings)
+    without any error."""
+    if seq > seq_length:
+        raise ValueError(
+            f"{what} have {seq} tokens, more than the model's seq_length={seq_length}: "
+            f"shorten them (or raise the model's seq_length, where the model allows it)."
+        )
 
 
 ACTIVATIONS = {
@@ -207,8 +224,8 @@ def to_transformer_config(
         kwargs.update(fp8="hybrid", fp8_recipe="delayed" if cfg.fp8 == "delayed" else "tensorwise")
     if cfg.recompute_granularity == "full":
         kwargs.update(recompute_method="uniform", recompute_num_layers=cfg.recompute_num_layers or 1)
-    if cfg.sliding_window is not None:
-        # TE's window (left, right) keeps keys q-left <= k <= q+right.
+    if cfg.uses_sliding_window():
+        # TE's window (left, right) keeps keys q-left <= k <= q+right; HF's q-W < k <= q.
         kwargs.update(window_size=(cfg.sliding_window - 1, 0), window_attn_skip_freq=[
             int(cfg.is_window_layer(i)) for i in range(cfg.num_layers)])
     if cfg.num_moe_experts:

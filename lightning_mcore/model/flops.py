@@ -3,8 +3,9 @@
 Megatron-LM's convention (`num_floating_point_operations`): every matmul counts 2 FLOPs per
 multiply-add; backward costs twice the forward; attention scores are counted over the full
 s x s matrix (not halved for the causal mask); recomputation is not counted (that would be
-hardware FLOPs). A MoE layer counts the router, the top-k routed experts and the shared expert,
-i.e. the parameters a token actually passes through.
+hardware FLOPs). A MoE layer counts the router, the top-k routed experts and the shared expert
+(and its gate), i.e. the parameters a token actually passes through; the dense layers of a
+mixed stack count their own MLP.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ def forward_flops_per_token(cfg: GPTConfig, seq_length: int) -> float:
     if cfg.mla is not None:
         attention = _latent_attention(cfg, seq_length)
     dense = 3 * h * cfg.ffn_hidden_size  # SwiGLU: gate, up, down
-    mlp = 0.0
-    for layer in range(cfg.num_layers):
-        if cfg.is_moe_layer(layer):
-            expert = 3 * h * (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
-            shared = 3 * h * (cfg.moe_shared_expert_intermediate_size or 0)
-            mlp += h * cfg.num_moe_experts + cfg.moe_router_topk * expert + shared
-        else:
-            mlp += dense
+    moe = 0
+    if cfg.num_moe_experts:
+        expert = 3 * h * (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
+        shared = 3 * h * (cfg.moe_shared_expert_intermediate_size or 0)
+        gate = h if cfg.moe_shared_expert_gate else 0  # the shared expert's sigmoid gate
+        moe = h * cfg.num_moe_experts + cfg.moe_router_topk * expert + shared + gate
+    mlp = sum(moe if cfg.is_moe_layer(i) else dense for i in range(cfg.num_layers))
     return 2.0 * (cfg.num_layers * attention + mlp + h * cfg.vocab_size)  # + LM head
 
 

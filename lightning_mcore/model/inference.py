@@ -10,17 +10,22 @@ from typing import Optional
 
 import torch
 
+from lightning_mcore.model.config import refuse_longer
+
 
 @torch.no_grad()
-def forward_logits(strategy, chunks, tokens: torch.Tensor, vocab: int,
+def forward_logits(strategy, chunks, tokens: torch.Tensor, cfg,
                    position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Full-vocabulary logits [batch, seq, vocab] for `tokens`, on every rank: one row per
     microbatch, vocab-parallel logits gathered over tensor-parallel ranks, shared from the
-    last pipeline stage (`strategy`: a MegatronStrategy)."""
+    last pipeline stage (`strategy`: a MegatronStrategy, a callable giving one, so that
+    wrong inputs are refused first; `cfg`: the GPTConfig)."""
     from megatron.core import tensor_parallel
 
+    refuse_longer(tokens.shape[-1], cfg.seq_length, "forward_logits (generation, predict): token rows")
+    strategy = strategy() if callable(strategy) else strategy
     strategy.refuse_context_parallel("forward_logits (generation, predict)")
-    strategy.check_sequence_length(tokens.shape[-1], "forward_logits (generation, predict): token rows")
+    vocab = cfg.vocab_size
     device = strategy.root_device
     tokens = tokens.to(device)
     rows, seq = tokens.shape
@@ -37,9 +42,10 @@ def forward_logits(strategy, chunks, tokens: torch.Tensor, vocab: int,
 
 
 @torch.no_grad()
-def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, vocab: int,
-             seq_length: int, stop: Optional[list[int]] = None) -> list[int]:
+def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, cfg,
+             stop: Optional[list[int]] = None) -> list[int]:
     """Greedy continuation of one prompt; stops after any token in `stop`."""
+    seq_length = cfg.seq_length
     if len(prompt) + max_new_tokens > seq_length:
         raise ValueError(
             f"generate: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) is "
@@ -48,7 +54,7 @@ def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, vocab: in
         )
     tokens = list(prompt)
     for _ in range(max_new_tokens):
-        logits = forward_logits(strategy, chunks, torch.tensor([tokens]), vocab)
+        logits = forward_logits(strategy, chunks, torch.tensor([tokens]), cfg)
         tokens.append(int(logits[0, -1].argmax()))
         if stop and tokens[-1] in stop:
             break

@@ -182,6 +182,7 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
     """Freeze every base parameter (and MoE routing bias) and attach adapters to the targeted
     layers."""
     targets = resolve_targets(lora.target_modules)
+    mlps_elsewhere = bool(chunks) and _mlps_outside_routed_experts(chunks[0].config)
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
@@ -198,12 +199,23 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
                 if short not in targets:
                     continue
                 if ".experts." in f".{path}.":
+                    if mlps_elsewhere:
+                        continue  # the dense and shared-expert MLPs take the MLP targets
                     raise LoRAError(
                         f"LoRA on MoE expert layers ({path}) is not supported yet; target the "
                         f"attention linears (linear_qkv, linear_proj) of MoE models."
                     )
                 _attach(adapters, layer.layer_number, path, module, lora, seed)
         chunk.add_module("lora", adapters)
+
+
+def _mlps_outside_routed_experts(config) -> bool:
+    """Whether a MoE model also has dense MLPs (a mixed stack) or shared experts: MLP targets
+    then adapt those and leave the routed experts frozen, as peft does on transformers 5 (its
+    experts are fused tensors, not linears)."""
+    freq = config.moe_layer_freq
+    mixed = 0 in freq if isinstance(freq, list) else freq > 1
+    return mixed or bool(config.moe_shared_expert_intermediate_size)
 
 
 def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, seed: int) -> None:
@@ -223,7 +235,8 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     fused_norm = hasattr(module, "return_layernorm_output")  # TE LayerNorm+Linear
     if fused_norm:
         module.return_layernorm_output = True
-    # Before any hook the model itself put there (MLA's kv down projection gathers its output).
+    # First among the linear's hooks: a post norm hook (model/post_norm.py) normalises W x + B A x;
+    # MLA's kv down projection gathers W x + B A x over TP (model/mla.py).
     module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True, prepend=True)
 
 

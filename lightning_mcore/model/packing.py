@@ -8,10 +8,13 @@ through the model as one THD row of B*S tokens, cut into sequences by `cu_seqlen
 
 Each row's padding is a sequence of its own (it carries no loss). mcore applies RoPE per
 sequence (positions restart), Transformer Engine's attention takes THD with cu_seqlens, and
-on the local spec SDPAttention turns cu_seqlens into a block-diagonal causal mask.
+on the local spec SDPAttention turns cu_seqlens into a block-diagonal causal mask (a sliding
+window, where a layer has one, applies within each sequence).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -33,12 +36,24 @@ def packed_seq_params(segment_ids: torch.Tensor) -> PackedSeqParams:
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[total, total] bool, True where attention is allowed: same sequence, not in the future."""
+def block_causal_mask(cu_seqlens: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """[total, total] bool, True where attention is allowed: same sequence, not in the future,
+    and with a `window`, at most `window` - 1 tokens back (HF's q - window < k <= q)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     seq_of = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
     same = seq_of[:, None] == seq_of[None, :]
-    return torch.tril(same)
+    if window is None:
+        return torch.tril(same)
+    return same & causal_mask(len(seq_of), len(seq_of), window, cu_seqlens.device)
+
+
+def causal_mask(sq: int, sk: int, window: Optional[int] = None, device=None) -> torch.Tensor:
+    """[sq, sk] bool, True where attention is allowed: queries are the last sq of the sk
+    positions; each sees itself and earlier keys, with a `window` only the window - 1 before it."""
+    q = torch.arange(sk - sq, sk, device=device)[:, None]
+    k = torch.arange(sk, device=device)[None, :]
+    allowed = k <= q
+    return allowed if window is None else allowed & (k > q - window)
 
 
 def forward_packed(chunk, batch: dict):

@@ -89,11 +89,6 @@ def gpt_config_from_hf(path_or_dict: PathOrDict, seq_length: Optional[int] = Non
     if seq_length > longest:
         hf.refuse("max_position_embeddings", f"seq_length={seq_length} (model_overrides) is "
                   f"longer than the model was built for; use seq_length <= {longest}.")
-    window = fields.get("sliding_window")
-    if window is not None and window < seq_length:
-        # HF's window keeps kv positions q-W < kv <= q: a no-op while seq_length <= W.
-        hf.refuse("sliding_window", f"sliding-window attention is not supported, and the window "
-                  f"is shorter than seq_length={seq_length}; train at seq_length <= {window}.")
     types = set(hf.get("layer_types") or [])
     if types - {"full_attention", "sliding_attention"}:
         hf.refuse("layer_types", f"layer types {sorted(types - {'full_attention', 'sliding_attention'})} "

@@ -45,10 +45,14 @@ class DeepseekV2(Architecture):
                                      "null when queries are projected from the hidden state.")
         parts.refuse_unless(hf, "num_key_value_heads", (heads, None),
                             "multi-latent attention has one key/value head per query head.")
-        parts.refuse_unless(hf, "num_nextn_predict_layers", (0, None),
-                            "multi-token-prediction (MTP) layers are not supported; set "
-                            "num_nextn_predict_layers to 0 in config.json to train without the "
-                            "MTP head (its weights are then not read).")
+        mtp, layers = hf.get("num_nextn_predict_layers", 0), hf["num_hidden_layers"]
+        if mtp:
+            tensors = " and ".join(f"model.layers.{i}.*" for i in range(layers, layers + mtp))
+            hf.refuse("num_nextn_predict_layers",
+                      f"multi-token-prediction (MTP) layers are not supported; to train without the "
+                      f"MTP head, set num_nextn_predict_layers to 0 in config.json and leave its "
+                      f"tensors ({tensors}) out of the checkpoint (of a sharded one: their lines "
+                      f"in model.safetensors.index.json).")
         mla = MLAConfig(kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
                         qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
                         q_lora_rank=hf.get("q_lora_rank"))

@@ -10,12 +10,13 @@ Sharding at a glance (tensor-parallel dim, stated by each transform in hf/transf
     linear_fc1                 GateUp   dim 0 ([gate_i; up_i])
     norms, q/k norms, router   Replicated
     experts                    as their dense twins, over expert-TP; experts split over EP
+    shared expert (+ gate)     as a dense MLP, over TP (not expert-TP); its gate Replicated
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional, Union
 
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import Entry
@@ -100,6 +101,17 @@ def decoder(hf: HFConfig, act: str = "silu", rope_types: tuple[str, ...] = SUPPO
     ) | fields
 
 
+def sliding_window(hf: HFConfig, windowed: Callable[[int], bool]) -> dict:
+    """GPTConfig sliding_window and layer_types: config.json's `sliding_window` on the layers its
+    `layer_types` names or, where it has none, on each layer i with windowed(i)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if windowed(i) else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        hf.refuse("layer_types", f"{len(types)} entries for num_hidden_layers={layers}.")
+    return dict(sliding_window=hf["sliding_window"], layer_types=list(types))
+
+
 def num_experts(hf: HFConfig) -> int:
     """transformers 4 writes num_experts, transformers 5 num_local_experts."""
     if "num_experts" not in hf and "num_local_experts" not in hf:
@@ -108,17 +120,31 @@ def num_experts(hf: HFConfig) -> int:
     return hf.get("num_experts", hf.get("num_local_experts"))
 
 
-def moe(hf: HFConfig, experts: int, **fields) -> dict:
-    """GPTConfig MoE fields for a softmax top-k router; `fields` add or replace."""
+def moe(hf: HFConfig, experts: int, ffn: str = "moe_intermediate_size", **fields) -> dict:
+    """GPTConfig MoE fields for a softmax top-k router (`ffn`: the field of the experts'
+    width); `fields` add or replace."""
     return dict(
         num_moe_experts=experts,
         moe_router_topk=hf["num_experts_per_tok"],
-        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_ffn_hidden_size=hf[ffn],
         # norm_topk_prob: HF renormalises the top-k softmax probs = mcore's softmax over the
         # top-k logits (pre_softmax=False). Otherwise HF keeps the full-softmax probs of the
         # chosen experts = mcore pre_softmax=True.
         moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
     ) | fields
+
+
+def sparse_layers(hf: HFConfig) -> Union[int, list[int]]:
+    """moe_layer_freq by the Qwen-MoE rule: layer i (0-based) is MoE unless it is listed in
+    mlp_only_layers, and only when i + 1 is a multiple of decoder_sparse_step; 1 when all are."""
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers", []))
+    if step < 1:
+        hf.refuse("decoder_sparse_step", "must be a positive int.")
+    layers = [int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
+    if not any(layers):
+        hf.refuse("mlp_only_layers" if dense else "decoder_sparse_step",
+                  "no layer is MoE; a model without experts is not supported by this family.")
+    return 1 if all(layers) else layers
 
 
 # ---------------------------------------------------------------- GPTConfig -> config.json
@@ -168,12 +194,31 @@ def decoder_hf(cfg: GPTConfig, act: str = "silu") -> dict:
     )
 
 
+def sliding_window_hf(cfg: GPTConfig) -> dict:
+    """transformers config kwargs of a Qwen-style window (use_sliding_window, sliding_window,
+    layer_types; max_window_layers too where the windowed layers are the last ones)."""
+    if cfg.sliding_window is None:
+        return {}
+    types = list(cfg.layer_types or ["sliding_attention"] * cfg.num_layers)
+    full = types.count("full_attention")
+    out = dict(use_sliding_window=True, sliding_window=cfg.sliding_window, layer_types=types)
+    if types == ["full_attention"] * full + ["sliding_attention"] * (len(types) - full):
+        out["max_window_layers"] = full
+    return out
+
+
 def moe_hf(cfg: GPTConfig) -> dict:
     return dict(
         num_experts_per_tok=cfg.moe_router_topk,
         moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
         norm_topk_prob=not cfg.moe_router_pre_softmax,
     )
+
+
+def sparse_layers_hf(cfg: GPTConfig) -> dict:
+    """The Qwen-MoE fields that give cfg's dense/MoE layer pattern."""
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    return dict(decoder_sparse_step=1, mlp_only_layers=dense)
 
 
 # ---------------------------------------------------------------- weight tables
@@ -235,3 +280,13 @@ def experts(hf: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "dow
     """The router and the routed experts (`hf`: the prefix of expert {E})."""
     return [Entry(M + "mlp.router.weight", (router,), Replicated(), (("E", "h"),))] + gated_mlp(
         M + "mlp.experts.local_experts.{E}.", hf, names, size="mf", expert=True)
+
+
+def shared_expert(hf: str = H + "mlp.shared_expert.",
+                  gate: Optional[str] = H + "mlp.shared_expert_gate.weight") -> list[Entry]:
+    """The shared expert, tensor-parallel like a dense MLP (not over expert-TP), and its sigmoid
+    gate, a replicated [1, h] weight (`gate`: its HF name; None: ungated)."""
+    out = gated_mlp(M + "mlp.shared_experts.", hf, size="sf")
+    if gate:
+        out.append(Entry(M + "mlp.shared_experts.gate_weight", (gate,), Replicated(), (("1", "h"),)))
+    return out

@@ -1,5 +1,6 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention, a softmax top-k router on every layer
-(renormalised when norm_topk_prob), no shared expert."""
+(renormalised when norm_topk_prob), no shared expert; with use_sliding_window, every layer
+windowed."""
 
 from __future__ import annotations
 
@@ -19,11 +20,17 @@ class Qwen3Moe(Qwen3):
             hf.refuse("mlp_only_layers", "mixed dense/MoE layer stacks are not supported.")
         return super().gpt_config(hf) | parts.moe(hf, parts.num_experts(hf))
 
+    def window(self, hf):  # transformers 5 windows every layer (max_window_layers unused)
+        return dict(sliding_window=hf["sliding_window"]) if hf.get("use_sliding_window") else {}
+
     def hf_config(self, cfg):
         if not cfg.num_moe_experts:
             raise parts.HFCheckpointError(f"{self.model_type} needs num_moe_experts.")
-        parts.expressible(cfg, self.model_type, free=("num_moe_experts",), qk_layernorm=True)
+        parts.expressible(cfg, self.model_type, free=("num_moe_experts", "sliding_window"),
+                          qk_layernorm=True)
+        window = cfg.sliding_window
         return parts.decoder_hf(cfg) | parts.moe_hf(cfg) | dict(
+            use_sliding_window=window is not None, sliding_window=window,
             num_experts=cfg.num_moe_experts, decoder_sparse_step=1, mlp_only_layers=[])
 
     def weights(self, cfg):

@@ -111,6 +111,7 @@ class MegatronModule(L.LightningModule):
 
         cfg = self.model_config
         tp = strategy.parallel.tensor_model_parallel_size
+        strategy.refuse_unbuildable(cfg)
         if self.init_checkpoint is not None:
             checkpoint_io.read_common(self.init_checkpoint, cfg, tp)
         tf_config = strategy.transformer_config(cfg)
@@ -189,15 +190,15 @@ class MegatronModule(L.LightningModule):
 
     def forward_logits(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
         """Full-vocabulary logits [batch, seq, vocab] of `tokens`, on every rank (collective)."""
-        return inference.forward_logits(self._strategy(), self.chunks, tokens,
-                                        self.model_config.vocab_size, position_ids)
+        return inference.forward_logits(self._strategy, self.chunks, tokens, self.model_config,
+                                        position_ids)
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop: Optional[list[int]] = None) -> list[int]:
         """Greedy continuation of one prompt, without a KV cache (each token re-runs the
         whole sequence): for checks and demos, not serving. Collective: call on every rank;
         every rank returns the same tokens. Stops after any token in `stop`."""
-        return inference.generate(self._strategy(), self.chunks, prompt, max_new_tokens,
-                                  self.model_config.vocab_size, self.model_config.seq_length, stop)
+        return inference.generate(self._strategy, self.chunks, prompt, max_new_tokens,
+                                  self.model_config, stop)
 
     def predict_step(self, batch: dict, batch_idx: int):
         """Full-vocabulary logits [batch, seq, vocab] of batch["tokens"] (on every rank)."""

@@ -91,10 +91,7 @@ class DPOModule(MegatronModule):
         first = self.chunks is None
         super().configure_model()
         if first and self.lora is None:
-            strategy = self._strategy()
-            source = dict(checkpoint=self.init_checkpoint) if self.init_checkpoint else dict(
-                hf_path=self.hf_path, hf_family=self.hf_family)
-            self._reference = strategy.build_gpt(self.model_config, **source)
+            self._reference = self._build_chunks(self._strategy())
             for chunk in self._reference:
                 chunk.requires_grad_(False).eval()
 

@@ -7,7 +7,7 @@ The batch a rank receives is its data-parallel share of the global batch
 (global_batch_size / dp rows); the strategy cuts it into micro_batch_size pieces.
 
 A module used with this strategy exposes `chunks` (an nn.ModuleList of mcore models, one per
-virtual pipeline stage), built in `configure_model` with `strategy.build_gpt(config)`.
+virtual pipeline stage), built in its `configure_model` (objectives/base.py builds and loads them).
 """
 
 from __future__ import annotations
@@ -217,13 +217,16 @@ class MegatronStrategy(DDPStrategy):
         """mcore's TransformerConfig for `model_config` under this layout, dtype and device."""
         from lightning_mcore.model.config import to_transformer_config
 
+        return to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu,
+                                     self.uses_te(model_config))
+
+    def refuse_unbuildable(self, model_config) -> None:
+        """What this device cannot build, before anything is built."""
         if self.on_cpu and model_config.recompute_granularity:
             raise NotImplementedError(
                 f"recompute_granularity={model_config.recompute_granularity!r} needs CUDA (mcore's "
                 f"activation checkpointing saves and restores the CUDA RNG state); on CPU set it to None."
             )
-        return to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu,
-                                     self.uses_te(model_config))
 
     def uses_te(self, model_config) -> bool:
         return model_config.uses_te("cpu" if self.on_cpu else "gpu")
@@ -244,15 +247,12 @@ class MegatronStrategy(DDPStrategy):
                                   (rows, width))
 
     def check_sequence_length(self, seq: int, what: str) -> None:
-        """Refuse sequences longer than the model's seq_length: beyond it the model computes
-        something else than it was configured for (positions past max_position_embeddings,
-        attention wider than a sliding window) without any error."""
+        """Refuse sequences longer than the module's model_config.seq_length."""
+        from lightning_mcore.model.config import refuse_longer
+
         config = getattr(self.lightning_module, "model_config", None)
-        if config is not None and seq > config.seq_length:
-            raise ValueError(
-                f"{what} have {seq} tokens, more than the model's seq_length={config.seq_length}: "
-                f"shorten them (or raise the model's seq_length, where the model allows it)."
-            )
+        if config is not None:
+            refuse_longer(seq, config.seq_length, what)
 
     def refuse_context_parallel(self, what: str) -> None:
         if self.parallel.context_parallel_size > 1:

@@ -255,6 +255,14 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
             f"({2 * p.context_parallel_size}) for load-balanced context parallelism.",
             options=("context_parallel_size",), fields=("seq_length",),
         )
+    if p.context_parallel_size > 1 and model.uses_sliding_window():
+        # Transformer Engine's ring attention (mcore's cp_comm_type "p2p") asserts in every rank.
+        raise LayoutError(
+            f"context_parallel_size={p.context_parallel_size} with sliding-window attention "
+            f"(sliding_window={model.sliding_window} < seq_length={model.seq_length}) is not "
+            f"supported. Use context_parallel_size=1, or seq_length <= {model.sliding_window}.",
+            options=("context_parallel_size",), fields=("sliding_window", "seq_length"),
+        )
     if p.sequence_parallel and model.seq_length % tp:
         raise LayoutError(
             f"sequence_parallel splits seq_length ({model.seq_length}) over "

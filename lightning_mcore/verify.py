@@ -1,0 +1,530 @@
+"""`lightning-mcore verify`: does our model compute what transformers computes for a checkpoint?
+
+    lightning-mcore verify --model hf-dir --tensor_model_parallel_size 2 --sequence_parallel
+    lightning-mcore verify --model exported-dir --reference original-dir
+
+Loads the HF directory into our model at the layout given (MegatronStrategy ranks, as `fit`
+starts them), runs a few prompts through it and through transformers' AutoModelForCausalLM
+(loaded from --reference, by default the same directory), and prints the largest logit
+difference, the top-1 agreement and a JSON line. Past the tolerance it exits 1 and names the
+first decoder layer whose output differs (`model.layers.K`, transformers' module name): each
+side's layer outputs are captured with forward hooks and compared in turn. Mistakes found
+before any rank starts (no config.json, an unsupported architecture, a layout that cannot work)
+end with one `error:` line and exit code 2.
+
+Differences are relative, per token: max |ours - reference| / max(1, max |reference|) over one
+position's logits (or hidden state), the largest over the prompts' positions. So they mean the
+same for small random models and for trained ones whose logits reach 30 and whose residual
+stream carries outliers in the thousands on a few tokens (an absolute bf16 error there says
+nothing, and scaling by those outliers would hide every other token).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, NoReturn, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+# Relative tolerance per precision of our model. fp32 (the default, on CPU): both sides do the
+# same arithmetic in another order, which leaves ~1e-6 (a random 16-layer Llama whose logits reach
+# 75, at TP=2 with SP), while a mapping mistake moves the logits by 1e-2 or more (that model: eps
+# 1e-5 for 1e-6 1.1e-2, q/k rotary layout wrong in one layer 1.1e-2, gate/up swapped 8e-2, kv
+# heads out of order 0.6). bf16 (GPU, Transformer Engine) against transformers in fp32: one
+# rounding is 2^-9 = 2e-3, and it grows with depth; the same 16-layer model in bf16 (local spec,
+# CPU) differs by 1.6e-2 and its layer outputs by ~4e-3 x sqrt(layer), so an 80-layer model comes
+# near 4e-2. 1e-1 leaves room for that; a broken mapping (garbled heads, wrong rotary layout in a
+# trained model) lands far above it. fp32 with Transformer Engine (GPU, --precision 32-true): TE
+# runs fp32 GEMMs in TF32 (10-bit mantissa, a quarter of bf16's rounding), hence a quarter of it.
+TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 1e-1}
+TF32_TOLERANCE = 2.5e-2
+PRECISIONS = tuple(TOLERANCE)
+REFERENCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The default prompts: with a tokenizer in the model (or reference) directory, these texts;
+# without one, TOKEN_ROWS fixed rows of TOKEN_LENGTH token ids drawn from the vocab (seeded).
+TEXTS = (
+    "The quick brown fox jumps over the lazy dog, and the dog does not seem to mind at all.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "In 1905 Albert Einstein published four papers that changed how physicists think about "
+    "space, time, light and matter.",
+)
+TOKEN_ROWS, TOKEN_LENGTH, TOKEN_SEED = 3, 32, 0
+PAD_TOKEN = 0  # after a prompt's end: causal attention keeps earlier positions unchanged
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class VerifyError(ValueError):
+    """A mistake found before any rank starts: the CLI prints it as one `error:` line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where our model runs: MegatronStrategy's parallel sizes, the devices and the precision."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    devices: Optional[int] = None  # None: the fewest the sizes need
+    accelerator: str = "cpu"
+    precision: Optional[str] = None  # None: 32-true on CPU, bf16-mixed on GPU
+    start_method: str = "popen"  # how Lightning starts the ranks; "fork" from Python (tests)
+
+    @property
+    def parallel(self) -> dict:
+        names = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")
+        return {n: getattr(self, n) for n in names}
+
+    @property
+    def world_size(self) -> int:
+        """`devices`, or the fewest ranks: one pipeline stage needs tp ranks for the dense part
+        and ep x etp for the experts."""
+        if self.devices is not None:
+            return self.devices
+        tp, ep = self.tensor_model_parallel_size, self.expert_model_parallel_size
+        etp = self.expert_tensor_parallel_size or tp
+        return self.pipeline_model_parallel_size * math.lcm(max(tp, 1), max(ep * etp, 1))
+
+    @property
+    def dtype_name(self) -> str:
+        return self.precision or ("32-true" if self.accelerator == "cpu" else "bf16-mixed")
+
+    def describe(self, use_te: bool) -> str:
+        p = self
+        parts = [f"TP={p.tensor_model_parallel_size}", f"PP={p.pipeline_model_parallel_size}"]
+        if p.expert_model_parallel_size > 1 or p.expert_tensor_parallel_size:
+            parts += [f"EP={p.expert_model_parallel_size}",
+                      f"ETP={p.expert_tensor_parallel_size or p.tensor_model_parallel_size}"]
+        parts += ["SP"] if p.sequence_parallel else []
+        spec = "Transformer Engine layers" if use_te else "local layers"
+        return f"{' '.join(parts)}, {self.world_size} {self.accelerator} device(s), {self.dtype_name}, {spec}"
+
+
+@dataclass
+class Prompts:
+    """Rows of token ids right-padded to one length; only the first `lengths[i]` are compared."""
+
+    tokens: torch.Tensor  # [rows, seq]
+    lengths: list[int]
+    source: str
+
+    def mask(self) -> torch.Tensor:
+        """[rows, seq] True at the prompts' own tokens."""
+        return torch.arange(self.tokens.shape[1])[None, :] < torch.tensor(self.lengths)[:, None]
+
+
+@dataclass
+class Report:
+    """What verify found; `passed` decides the exit code."""
+
+    model: str
+    reference: str
+    layout: str
+    prompts: str
+    tolerance: float
+    max_logit_diff: float  # absolute
+    max_logit: float  # max |reference logit|, the scale
+    logit_diff: float  # relative, per position (relative_diff)
+    top1_agree: int
+    positions: int
+    layer_diffs: dict[str, float] = field(default_factory=dict)  # HF layer name -> relative diff
+    first_divergent: Optional[str] = None
+    passed: bool = False
+
+    def table(self) -> str:
+        rows = [
+            ("model", self.model if self.reference == self.model
+             else f"{self.model} (reference: {self.reference})"),
+            ("layout", self.layout),
+            ("prompts", self.prompts),
+            ("max |logit diff|", f"{self.max_logit_diff:.3e} (largest |logit| {self.max_logit:.3g})"),
+            ("relative diff", f"{self.logit_diff:.3e} (tolerance {self.tolerance:g})"),
+            ("top-1 agreement", f"{self.top1_agree}/{self.positions} "
+                                f"({100 * self.top1_agree / max(self.positions, 1):.1f}%)"),
+        ]
+        if not self.passed:
+            diff = self.layer_diffs.get(self.first_divergent)
+            rows.append(("first divergence", f"{self.first_divergent}"
+                         + (f" (relative diff {diff:.3e})" if diff is not None else "")))
+        rows.append(("result", "PASS" if self.passed else "FAIL"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+# ---------------------------------------------------------------------- comparison
+def relative_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest over positions of max |ours - ref| / max(1, max |ref|) along the last
+    dimension (one position's logits or hidden state); inf where a side is not finite."""
+    ours, ref = ours.double(), ref.double()
+    if not (torch.isfinite(ours).all() and torch.isfinite(ref).all()):
+        return math.inf
+    if ref.numel() == 0:
+        return 0.0
+    scale = ref.abs().amax(-1).clamp(min=1.0)
+    return float(((ours - ref).abs().amax(-1) / scale).max())
+
+
+def first_divergent(layer_diffs: dict[str, float], tolerance: float, last: str) -> str:
+    """The first layer past `tolerance`; past none, what follows the last layer."""
+    for name, diff in layer_diffs.items():
+        if not diff <= tolerance:
+            return name
+    return f"after {last} (the final norm or the output layer)"
+
+
+def compare(ours: dict, ref: dict, prompts: Prompts, tolerance: float, names: list[str]) -> dict:
+    """Report fields from both sides' logits [rows, seq, vocab] and layer outputs
+    {index: [rows, seq, hidden]}; only the prompts' own positions count."""
+    mask = prompts.mask()
+    a, b = ours["logits"][mask], ref["logits"][mask]
+    finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+    max_diff = float((a.double() - b.double()).abs().max()) if finite else math.inf
+    layer_diffs = {names[i]: relative_diff(ours["layers"][i][mask], ref["layers"][i][mask])
+                   for i in range(len(names)) if i in ours["layers"] and i in ref["layers"]}
+    logit_diff = relative_diff(a, b)
+    passed = logit_diff <= tolerance
+    return dict(
+        tolerance=tolerance, max_logit_diff=max_diff, max_logit=float(b.abs().max()),
+        logit_diff=logit_diff, top1_agree=int((a.argmax(-1) == b.argmax(-1)).sum()),
+        positions=int(mask.sum()), layer_diffs=layer_diffs, passed=passed,
+        first_divergent=None if passed else first_divergent(layer_diffs, tolerance, names[-1]),
+    )
+
+
+# ---------------------------------------------------------------------- our side
+class CaptureLayers(L.Callback):
+    """Rank 0 saves the predicted logits and every decoder layer's output to `out` (ours.pt).
+
+    Hooks keep each mcore TransformerLayer's output per microbatch ([seq, 1, hidden], its
+    global `layer_number`). After the batch, sequence-parallel pieces are gathered over the
+    tensor-parallel group, and one rank per pipeline stage sends its layers to rank 0."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+        self._kept: dict[int, list] = {}
+        self._handles: list = []
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        for chunk in pl_module.chunks:
+            for name, layer in chunk.named_modules():
+                if re.search(r"(^|\.)decoder\.layers\.\d+$", name):
+                    self._handles.append(layer.register_forward_hook(self._hook(layer.layer_number - 1)))
+
+    def _hook(self, index: int):
+        def keep(module, args, output):
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            self._kept.setdefault(index, []).append(hidden.detach().float())
+        return keep
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        from megatron.core import parallel_state as ps
+
+        layers = {i: torch.cat(parts, dim=1) for i, parts in sorted(self._kept.items())}
+        self._kept = {}
+        if trainer.strategy.parallel.sequence_parallel:
+            layers = {i: _gather_sequence(t, ps.get_tensor_model_parallel_group()) for i, t in layers.items()}
+        sender = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        mine = {i: t.transpose(0, 1).cpu() for i, t in layers.items()} if sender else {}
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if dist.get_rank() == 0:
+            merged = {i: t for part in gathered for i, t in part.items()}
+            torch.save({"logits": outputs.float().cpu(), "layers": merged}, self.out / "ours.pt")
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _gather_sequence(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The whole [seq, ...] from each tensor-parallel rank's consecutive slice of it."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def run_ours(module, trainer: L.Trainer, prompts: Prompts, out: Path) -> Optional[dict]:
+    """Our logits and layer outputs (rank 0 of the run; None on the other ranks)."""
+    from torch.utils.data import DataLoader
+
+    from lightning_mcore.refusals import report_refusals
+
+    rows = [{"tokens": row} for row in prompts.tokens]
+    loader = DataLoader(rows, batch_size=len(rows))
+    report_refusals(trainer, trainer.predict, model=module, dataloaders=loader, return_predictions=False)
+    if trainer.global_rank != 0:  # a rank the launcher started by re-running the command
+        return None
+    return torch.load(out / "ours.pt", weights_only=True)
+
+
+# ---------------------------------------------------------------------- transformers' side
+def run_reference(directory: str, prompts: Prompts, dtype: torch.dtype) -> tuple[dict, list[str]]:
+    """transformers' logits and decoder-layer outputs (on CPU), with the layers' module names."""
+    import transformers
+    from packaging.version import Version
+
+    # transformers 4.56 renamed torch_dtype to dtype (5 defaults to the checkpoint's dtype)
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **{key: dtype})
+    model.eval()
+    names, layers = decoder_layers(model)
+    kept: dict[int, torch.Tensor] = {}
+    handles = [layer.register_forward_hook(_keep_output(kept, i)) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=prompts.tokens).logits.float()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"logits": logits, "layers": kept}, names
+
+
+def _keep_output(kept: dict, index: int):
+    def keep(module, args, output):
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        kept[index] = hidden.detach().float()
+    return keep
+
+
+def decoder_layers(model) -> tuple[list[str], list]:
+    """The decoder layers of a transformers causal LM and their module names (model.layers.N)."""
+    count = model.config.get_text_config().num_hidden_layers
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(module, torch.nn.ModuleList) \
+                and len(module) == count:
+            return [f"{name}.{i}" for i in range(count)], list(module)
+    raise VerifyError(f"{type(model).__name__} has no list of {count} decoder layers named `layers`.")
+
+
+# ---------------------------------------------------------------------- set-up
+def build_prompts(texts: Optional[list[str]], tokenizer_dirs: list[str], vocab: int, seq_length: int,
+                  multiple: int) -> Prompts:
+    """The prompts as token rows, padded to one length that is a multiple of `multiple`."""
+    has_tokenizer = [d for d in tokenizer_dirs if any((Path(d) / f).is_file() for f in TOKENIZER_FILES)]
+    tokenizer_dir = has_tokenizer[0] if has_tokenizer else None
+    if texts is not None and tokenizer_dir is None:
+        where = " nor ".join(dict.fromkeys(tokenizer_dirs))
+        raise VerifyError(f"--prompts are text and need a tokenizer, but there is none in {where} "
+                          f"({', '.join(TOKENIZER_FILES)}).")
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        given = texts is not None
+        rows = [tokenizer(text)["input_ids"] for text in (texts if given else TEXTS)]
+        if not given:  # the default texts fit any model: cut to its seq_length
+            rows = [row[: seq_length // multiple * multiple] for row in rows]
+        source = f"{len(rows)} texts, tokenized by {tokenizer_dir}"
+        what = "--prompts: " if given else "the default prompts: "
+        for text, row in zip(texts if given else TEXTS, rows):
+            if not row:
+                raise VerifyError(f"{what}{text!r} has no tokens.")
+            if len(row) > seq_length:
+                raise VerifyError(f"{what}{text[:40]!r}... has {len(row)} tokens, more than the "
+                                  f"model's seq_length={seq_length}; shorten it.")
+            if max(row) >= vocab:
+                raise VerifyError(f"{what}the tokenizer in {tokenizer_dir} gives token id {max(row)}, "
+                                  f"beyond the model's vocab_size={vocab}.")
+    else:
+        length = min(TOKEN_LENGTH, seq_length)
+        generator = torch.Generator().manual_seed(TOKEN_SEED)
+        rows = torch.randint(0, vocab, (TOKEN_ROWS, length), generator=generator).tolist()
+        source = f"{TOKEN_ROWS} rows of {length} fixed token ids (no tokenizer in the directory)"
+    lengths = [len(row) for row in rows]
+    width = -(-max(lengths) // multiple) * multiple
+    if width > seq_length:
+        raise VerifyError(f"--prompts: the longest has {max(lengths)} tokens; padded to a multiple of "
+                          f"{multiple} (sequence parallelism) it is longer than seq_length={seq_length}.")
+    tokens = torch.full((len(rows), width), PAD_TOKEN, dtype=torch.long)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+    return Prompts(tokens, lengths, f"{source}; {sum(lengths)} positions")
+
+
+def check_directory(option: str, path: str) -> None:
+    if not Path(path).is_dir():
+        raise VerifyError(f"{option}={path} is not a directory; expected a Hugging Face checkpoint "
+                          f"directory.")
+    if not (Path(path) / "config.json").is_file():
+        raise VerifyError(f"{option}={path} has no config.json; expected a Hugging Face checkpoint "
+                          f"directory (as written by save_pretrained).")
+
+
+def load_module(model: str):
+    """PretrainModule of the HF directory; its refusals (unsupported architecture or field)
+    as a VerifyError."""
+    from lightning_mcore import PretrainModule
+    from lightning_mcore.refusals import deliberate
+
+    check_directory("--model", model)
+    try:
+        return PretrainModule(model)
+    except (ValueError, TypeError, OSError) as error:
+        if not deliberate(error):
+            raise
+        raise VerifyError(f"--model={model}: {error}") from error
+
+
+def check_reference(reference: str, vocab: int) -> None:
+    from transformers import AutoConfig
+
+    check_directory("--reference", reference)
+    try:
+        config = AutoConfig.from_pretrained(reference, local_files_only=True)
+    except (ValueError, OSError, KeyError) as error:
+        raise VerifyError(f"--reference={reference}: transformers cannot read its config.json: "
+                          f"{error}") from error
+    theirs = config.get_text_config().vocab_size
+    if theirs != vocab:
+        raise VerifyError(f"--reference={reference} has vocab_size={theirs}, the model {vocab}: "
+                          f"their logits cannot be compared.")
+
+
+def build_trainer(layout: Layout, module, capture: CaptureLayers) -> L.Trainer:
+    """The Trainer our model runs in, its layout checked against the world size and the model."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_mcore import LayoutError, MegatronStrategy
+
+    world = layout.world_size
+    dp = max(world // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size), 1)
+    try:
+        strategy = MegatronStrategy(global_batch_size=dp, micro_batch_size=1,
+                                    start_method=layout.start_method, **layout.parallel)
+        trainer = L.Trainer(
+            accelerator=layout.accelerator, devices=world, strategy=strategy,
+            precision=layout.dtype_name, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+            callbacks=[capture],
+        )
+        strategy.validate_module(module)
+    except LayoutError as error:
+        keys = _layout_keys(error, layout, module)
+        raise VerifyError(f"invalid parallel layout ({keys}): {error}") from error
+    except MisconfigurationException as error:
+        raise VerifyError(f"--accelerator={layout.accelerator} --devices={world}: {error}") from error
+    return trainer
+
+
+def _layout_keys(error, layout: Layout, module) -> str:
+    """The options (and model fields) behind a LayoutError, with their values."""
+    keys = [f"--{o}={getattr(layout, o)}" for o in error.options if hasattr(layout, o)]
+    keys += [f"--devices={layout.world_size}"] if error.devices else []
+    keys += [f"--accelerator={layout.accelerator}"] if error.accelerator else []
+    fields = ", ".join(f"{f}={getattr(module.model_config, f, None)}" for f in error.fields)
+    keys += [f"--model={module.hf_path} ({fields})"] if fields else []
+    return ", ".join(keys)
+
+
+# ---------------------------------------------------------------------- the check
+def verify(model: str, reference: Optional[str] = None, layout: Layout = Layout(),
+           tolerance: Optional[float] = None, prompts: Optional[list[str]] = None,
+           reference_dtype: str = "float32") -> Optional[Report]:
+    """Compare our model of the HF directory `model`, run at `layout`, with transformers' model
+    of `reference` (default: the same directory). Returns the Report in the launching process
+    (None in the ranks a `popen` launch starts by re-running the command); raises VerifyError
+    on a mistake found before any rank starts."""
+    reference = reference or model
+    if layout.dtype_name not in TOLERANCE:
+        raise VerifyError(f"--precision={layout.precision}: use one of {', '.join(PRECISIONS)}.")
+    if reference_dtype not in REFERENCE_DTYPES:
+        raise VerifyError(f"--reference_dtype={reference_dtype}: use one of {', '.join(REFERENCE_DTYPES)}.")
+    module = load_module(model)
+    cfg = module.model_config
+    use_te = cfg.uses_te(layout.accelerator)
+    if tolerance is None:
+        tf32 = use_te and layout.dtype_name == "32-true"
+        tolerance = TF32_TOLERANCE if tf32 else TOLERANCE[layout.dtype_name]
+    check_reference(reference, cfg.vocab_size)
+    multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
+    rows = build_prompts(prompts, [model, reference], cfg.vocab_size, cfg.seq_length, multiple)
+    with tempfile.TemporaryDirectory(prefix="lightning-mcore-verify-") as out:
+        capture = CaptureLayers(Path(out))
+        trainer = build_trainer(layout, module, capture)
+        ours = run_ours(module, trainer, rows, Path(out))
+    if ours is None:
+        return None
+    del module, trainer
+    ref, names = run_reference(reference, rows, REFERENCE_DTYPES[reference_dtype])
+    found = compare(ours, ref, rows, tolerance, names)
+    return Report(model=model, reference=reference, layout=layout.describe(use_te), prompts=rows.source,
+                  **found)
+
+
+def main(args=None) -> None:
+    from jsonargparse import ActionYesNo, ArgumentParser
+
+    parser = ArgumentParser(prog="lightning-mcore verify", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=str, required=True,
+                        help="the Hugging Face directory to load into our model")
+    parser.add_argument("--reference", type=Optional[str], default=None,
+                        help="the Hugging Face directory transformers loads (default: --model), e.g. "
+                             "the original of a converted or exported checkpoint")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        parser.add_argument(f"--{name}", type=int, default=1)
+    parser.add_argument("--expert_tensor_parallel_size", type=Optional[int], default=None)
+    parser.add_argument("--sequence_parallel", action=ActionYesNo, default=False)
+    parser.add_argument("--devices", type=Optional[int], default=None,
+                        help="ranks to start (default: the fewest the parallel sizes need)")
+    parser.add_argument("--accelerator", type=Literal["cpu", "gpu"], default="cpu")
+    parser.add_argument("--precision", type=Optional[Literal["32-true", "bf16-mixed"]], default=None,
+                        help=f"our model's precision, one of {', '.join(PRECISIONS)} (default: 32-true on "
+                             f"cpu, bf16-mixed on gpu)")
+    parser.add_argument("--tolerance", type=Optional[float], default=None,
+                        help="largest relative difference that passes: max|ours - ref| / max(1, max|ref|) "
+                             "over one position's logits or hidden state, the largest over positions "
+                             "(default: " + ", ".join(f"{v:g} at {k}" for k, v in TOLERANCE.items())
+                             + f", {TF32_TOLERANCE:g} at 32-true with Transformer Engine, whose fp32 "
+                               f"GEMMs use TF32)")
+    parser.add_argument("--prompts", type=str, default=None, nargs="+",
+                        help="text prompts (need a tokenizer in --model or --reference); default: a few "
+                             "fixed texts, or fixed token ids where there is no tokenizer")
+    parser.add_argument("--reference_dtype", type=Literal["float32", "bfloat16"], default="float32",
+                        help="dtype of transformers' model, which runs on CPU")
+    parser.add_argument("--start_method", type=Literal["popen", "fork", "spawn"], default="popen",
+                        help="how the ranks start (Lightning's launcher): popen re-runs this command, "
+                             "fork suits a call from Python")
+    config = parser.parse_args(args)
+    layout = Layout(**{k: config[k] for k in Layout.__dataclass_fields__})
+    try:
+        report = verify(config.model, config.reference, layout, config.tolerance, config.prompts,
+                        config.reference_dtype)
+    except VerifyError as error:
+        _error(str(error))
+    if report is None:
+        return
+    print(f"lightning-mcore verify\n{report.table()}")
+    print(_json_line(report))
+    sys.stdout.flush()
+    if not report.passed:
+        raise SystemExit(1)
+
+
+def _json_line(report: Report) -> str:
+    import json
+
+    def finite(x):
+        return x if not isinstance(x, float) or math.isfinite(x) else None
+
+    fields = {k: finite(v) for k, v in asdict(report).items() if k != "layer_diffs"}
+    fields["layer_diffs"] = {k: finite(v) for k, v in report.layer_diffs.items()}
+    return json.dumps({"verify": "pass" if report.passed else "fail", **fields})
+
+
+def _error(message: str) -> NoReturn:
+    print(f"lightning-mcore verify: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()
