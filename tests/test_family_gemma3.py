@@ -207,3 +207,23 @@ def test_multimodal_gemma3_is_refused():
           "model_type": "gemma3"}
     with pytest.raises(HFCheckpointError, match="Gemma3ForConditionalGeneration' is not supported"):
         gpt_config_from_hf(hf)
+
+
+def test_post_norms_fit_an_mlp_spec_given_as_a_partial():
+    """mcore 0.19's local spec gives the dense MLP as functools.partial(MLP, submodules=...)."""
+    import functools
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from lightning_mcore.model.build import layer_spec
+    from lightning_mcore.model.config import GPTConfig
+    from lightning_mcore.model.post_norm import RowParallelLinearPostNorm, with_post_norms
+
+    spec = layer_spec(GPTConfig(), use_te=False)
+    spec.submodules.mlp = functools.partial(MLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    out = with_post_norms(spec, use_te=False)
+    assert out.submodules.mlp.func is MLP
+    assert out.submodules.mlp.keywords["submodules"].linear_fc2 is RowParallelLinearPostNorm
+    assert spec.submodules.mlp.keywords["submodules"].linear_fc2 is RowParallelLinear  # a copy

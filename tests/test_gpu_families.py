@@ -59,8 +59,9 @@ def test_family_trains_on_te_in_bf16_and_matches_transformers(family, tmp_path):
     )
     module = PretrainModule(str(source), optim=OptimizerSettings(lr=3e-3, warmup_steps=0))
     assert module.model_config.uses_te("gpu")
-    data = [{"tokens": t, "loss_mask": torch.ones_like(t)} for t in tokens] * STEPS
-    trainer.fit(module, DataLoader(data, batch_size=4))
+    rows = [{"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(31),
+             "position_ids": torch.arange(31)} for t in tokens]
+    trainer.fit(module, DataLoader(rows * STEPS, batch_size=4))
     out = torch.load(tmp_path / "out.pt")
     losses, logits = out["losses"], out["logits"]
     error = ((logits - expected).abs().amax(-1) / expected.abs().amax(-1).clamp(min=1)).max().item()

@@ -15,6 +15,7 @@ go through the norm (a LoRA update of the linear) registers in front of it (prep
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 from megatron.core.tensor_parallel import RowParallelLinear
@@ -59,8 +60,19 @@ def with_post_norms(spec, use_te: bool):
     spec = copy.deepcopy(spec)
     linear = te_row_parallel_linear_post_norm() if use_te else RowParallelLinearPostNorm
     spec.submodules.self_attention.submodules.linear_proj = linear
-    mlp = spec.submodules.mlp.submodules
-    if not hasattr(mlp, "linear_fc2"):
-        raise ValueError("post norms are supported on dense MLPs only, not mixtures of experts.")
-    mlp.linear_fc2 = linear
+    spec.submodules.mlp = _with_fc2(spec.submodules.mlp, linear)
     return spec
+
+
+def _with_fc2(mlp, linear):
+    """The MLP spec with `linear` as its down projection: a ModuleSpec (mcore 0.16) or a
+    functools.partial carrying `submodules` (how mcore 0.19's local spec builds some MLPs)."""
+    partial = isinstance(mlp, functools.partial)
+    subs = mlp.keywords.get("submodules") if partial else getattr(mlp, "submodules", None)
+    if not hasattr(subs, "linear_fc2"):
+        raise ValueError("post norms are supported on dense MLPs only, not mixtures of experts.")
+    subs = dataclasses.replace(subs, linear_fc2=linear)
+    if partial:
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
+    mlp.submodules = subs
+    return mlp
