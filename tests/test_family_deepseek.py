@@ -109,14 +109,17 @@ def test_training_at_tp2_follows_one_process(case, tmp_path):
         torch.testing.assert_close(end[key], full, rtol=0, atol=1e-5, msg=key)
 
 
-LORA_TARGETS = {  # the MLA linears by HF name, and linear_q_proj by its mcore name (q_proj would
-    # name GQA's fused linear_qkv)
+# Attention only: peft (0.21, on transformers 5) reads gate_proj/up_proj/down_proj targets of a
+# DeepSeek model as its fused routed experts, so the dense and shared-expert MLPs' adapters
+# would not load there. The MLA linears by HF name, linear_q_proj by its mcore name (q_proj
+# names GQA's linear_qkv).
+LORA_TARGETS = {
     "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
     "deepseek_v3_noq": ["linear_q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
 }
 
 
-def mla_lora_parameters(c, targets, r: int) -> int:
+def lora_parameters(c, targets, r: int) -> int:
     """r x (in + out) for each adapted linear of every layer."""
     q, h = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim), c.hidden_size
     sizes = {"q_a_proj": (h, c.q_lora_rank), "q_b_proj": (c.q_lora_rank, q), "linear_q_proj": (h, q),
@@ -148,7 +151,7 @@ def test_lora_on_attention_exports_a_peft_adapter_at_tp2(family, tmp_path):
 
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts["base_unchanged"]
-    assert facts["trainable"] == mla_lora_parameters(hf.config, LORA_TARGETS[family], 4)
+    assert facts["trainable"] == lora_parameters(hf.config, LORA_TARGETS[family], 4)
     mcore = torch.load(tmp_path / "logits.pt")
     assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
 
