@@ -33,7 +33,8 @@ LAYOUTS = {
     "ep2_tp2_sp": (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                            expert_tensor_parallel_size=1, sequence_parallel=True)),
 }
-CASES = ([("deepseek_v3", lay) for lay in LAYOUTS] + [("deepseek_v3_noq", "tp2_sp"), ("deepseek_v3_noq", "ep2_tp2_sp")]
+CASES = ([("deepseek_v3", layout) for layout in LAYOUTS]
+         + [("deepseek_v3_noq", "tp2_sp"), ("deepseek_v3_noq", "ep2_tp2_sp")]
          + [("deepseek_v2", "tp1"), ("deepseek_v2", "tp2_sp")])
 
 
@@ -187,7 +188,8 @@ REFUSED = [  # (tiny model, config.json changes, the field named, what the messa
 ]
 
 
-@pytest.mark.parametrize("name,changes,field,why", REFUSED, ids=[r[2].split("=")[0] + "-" + r[0] for r in REFUSED])
+@pytest.mark.parametrize("name,changes,field,why", REFUSED,
+                         ids=[f"{r[0]}-{r[2].split('=')[0]}" for r in REFUSED])
 def test_unsupported_variants_are_refused_by_name(name, changes, field, why):
     config = {**hf_config_dict(name), **changes}
     with pytest.raises(HFCheckpointError) as info:
@@ -242,7 +244,9 @@ class _Reader:
         self.tensors = tensors
 
     def get(self, name, dim=0, start=None, stop=None):
-        return self.tensors[name].narrow(dim, start or 0, (stop or self.tensors[name].shape[dim]) - (start or 0))
+        t = self.tensors[name]
+        start, stop = start or 0, t.shape[dim] if stop is None else stop
+        return t.narrow(dim, start, stop - start)
 
     def shape(self, name):
         return tuple(self.tensors[name].shape)

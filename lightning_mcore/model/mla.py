@@ -130,7 +130,8 @@ def mla_config_kwargs(cfg) -> dict:
     if kind == "default":
         return {**out, "rope_type": "rope", "rotary_scaling_factor": 1.0}
     if kind != "yarn":
-        raise ValueError(f"multi-latent attention takes rope_type {' or '.join(MLA_ROPE_TYPES)}, not {kind!r}.")
+        raise ValueError(f"multi-latent attention takes rope_type "
+                         f"{' or '.join(MLA_ROPE_TYPES)}, not {kind!r}.")
     mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     if all_dim and not mscale:
         # transformers: cos/sin by mscale(factor) alone, the softmax by mscale_all_dim

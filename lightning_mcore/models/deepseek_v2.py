@@ -8,7 +8,8 @@ renormalised, times routed_scaling_factor. Multi-token-prediction layers are ref
 The MLA weight table (one tensor-parallel layout for the local and TE specs, model/mla.py):
     q_a_proj, kv_a_proj_with_mqa  -> linear_q_down_proj, linear_kv_down_proj   Split(0)
     q_b_proj / q_proj, kv_b_proj  -> linear_q_up_proj / linear_q_proj, linear_kv_up_proj  Split(0)
-    q_a_layernorm, kv_a_layernorm -> q_layernorm, kv_layernorm (TE: fused into the up projections)
+    q_a_layernorm, kv_a_layernorm -> q_layernorm, kv_layernorm   Replicated; eps 1e-6 whatever
+                                     rms_norm_eps (TE: fused into the up projections if equal)
     o_proj                        -> linear_proj   Split(1)
 """
 
