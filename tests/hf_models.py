@@ -59,10 +59,10 @@ FAMILIES = {
         DEEPSEEK, q_lora_rank=None, n_group=None, topk_group=None, norm_topk_prob=False)),
 }
 DEEPSEEK = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
-                qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                 n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,
                 first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                num_nextn_predict_layers=0)
+                num_nextn_predict_layers=0, rms_norm_eps=1e-2)  # the q/kv latent norms keep 1e-6
 YARN = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                              "original_max_position_embeddings": 64, "beta_fast": 32,
                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})

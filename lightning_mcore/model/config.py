@@ -27,6 +27,8 @@ class MLAConfig:
     # How HF checkpoints order the RoPE rows of q/k weights: interleaved pairs (2i, 2i+1), as
     # mcore rotates, or halves (i, i + d/2; HF's rope_interleave=False), reordered on load/export.
     rope_interleave: bool = True
+    # eps of the q/kv latent norms; None: norm_epsilon (transformers' DeepSeek: 1e-6 always)
+    latent_norm_epsilon: Optional[float] = None
 
 
 @dataclass

@@ -37,7 +37,8 @@ def _latent_attention(cfg: GPTConfig, seq_length: int) -> float:
     m, h, n = cfg.mla, cfg.hidden_size, cfg.num_attention_heads
     q = n * (m.qk_head_dim + m.qk_pos_emb_head_dim)
     queries = h * q if m.q_lora_rank is None else m.q_lora_rank * (h + q)
-    keys_values = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim)
+    keys_values = (h * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+                   + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim))
     return queries + keys_values + n * m.v_head_dim * (h + seq_length) + seq_length * q
 
 

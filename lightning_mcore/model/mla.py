@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
+import functools
 from typing import Iterator
 
 import torch
@@ -108,10 +108,6 @@ class _SumGradOverTP(torch.autograd.Function):
         return grad
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def mla_config_kwargs(cfg) -> dict:
     """MLATransformerConfig fields for `cfg.mla` and its RoPE (HF's `rope_scaling` dict).
 
@@ -134,7 +130,8 @@ def mla_config_kwargs(cfg) -> dict:
     if kind == "default":
         return {**out, "rope_type": "rope", "rotary_scaling_factor": 1.0}
     if kind != "yarn":
-        raise ValueError(f"multi-latent attention takes rope_type {' or '.join(MLA_ROPE_TYPES)}, not {kind!r}.")
+        raise ValueError(f"multi-latent attention takes rope_type "
+                         f"{' or '.join(MLA_ROPE_TYPES)}, not {kind!r}.")
     mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     if all_dim and not mscale:
         # transformers: cos/sin by mscale(factor) alone, the softmax by mscale_all_dim
@@ -157,8 +154,10 @@ def mla_config_kwargs(cfg) -> dict:
 
 def mla_layer_spec(cfg, use_te: bool, experts):
     """The layer spec of an MLA layer (`experts`: its MoE expert count, None for a dense MLP)."""
+    eps = cfg.mla.latent_norm_epsilon
+    own_eps = eps is not None and eps != cfg.norm_epsilon  # mcore builds them with the layers' eps
     if use_te:
-        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(
@@ -166,9 +165,11 @@ def mla_layer_spec(cfg, use_te: bool, experts):
             multi_latent_attention=True))
         attn = spec.submodules.self_attention
         attn.module = LatentAttention
-        # q/kv norms are fused into the up projections (layer_norm_weight)
-        attn.submodules.linear_q_down_proj = TEColumnParallelLinear
-        attn.submodules.linear_kv_down_proj = TEColumnParallelLinear
+        sub = attn.submodules
+        sub.linear_q_down_proj = sub.linear_kv_down_proj = TEColumnParallelLinear
+        if own_eps:  # else the q/kv norms are fused into the up projections (layer_norm_weight)
+            sub.linear_q_up_proj = sub.linear_kv_up_proj = TEColumnParallelLinear
+            sub.q_layernorm = sub.kv_layernorm = _with_eps(_TENormFactory, eps, TENorm=TENorm)
         return spec
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -181,6 +182,31 @@ def mla_layer_spec(cfg, use_te: bool, experts):
     sub.self_attention.module = LatentAttention
     attn = sub.self_attention.submodules
     attn.core_attention = SDPAttention
-    attn.q_layernorm = RMSNorm
-    attn.kv_layernorm = RMSNorm
+    attn.q_layernorm = attn.kv_layernorm = _with_eps(_LatentRMSNorm, eps) if own_eps else RMSNorm
     return spec
+
+
+class _LatentRMSNorm(RMSNorm):
+    """Our RMSNorm with the latent norms' own eps (the class's `latent_eps`), whatever mcore
+    passes."""
+
+    latent_eps = 1e-6
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(config, hidden_size, eps=self.latent_eps)
+
+
+class _TENormFactory:
+    """Transformer Engine's norm (a factory too) with the latent norms' own eps."""
+
+    latent_eps, TENorm = 1e-6, None
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        return cls.TENorm(config, hidden_size, eps=cls.latent_eps)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_eps(base: type, eps: float, **attrs) -> type:
+    """`base` with `latent_eps` = eps: mcore builds specs' norms from classes (and calls them
+    with the layers' eps), so the eps travels in the class."""
+    return type(base.__name__, (base,), {"latent_eps": eps, **attrs})

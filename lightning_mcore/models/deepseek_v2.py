@@ -8,7 +8,8 @@ renormalised, times routed_scaling_factor. Multi-token-prediction layers are ref
 The MLA weight table (one tensor-parallel layout for the local and TE specs, model/mla.py):
     q_a_proj, kv_a_proj_with_mqa  -> linear_q_down_proj, linear_kv_down_proj   Split(0)
     q_b_proj / q_proj, kv_b_proj  -> linear_q_up_proj / linear_q_proj, linear_kv_up_proj  Split(0)
-    q_a_layernorm, kv_a_layernorm -> q_layernorm, kv_layernorm (TE: fused into the up projections)
+    q_a_layernorm, kv_a_layernorm -> q_layernorm, kv_layernorm   Replicated; eps 1e-6 whatever
+                                     rms_norm_eps (TE: fused into the up projections if equal)
     o_proj                        -> linear_proj   Split(1)
 """
 
@@ -24,6 +25,7 @@ from lightning_mcore.models.architecture import Architecture, HFConfig
 
 A, HA = parts.M + "self_attention.", parts.H + "self_attn."
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm, whatever rms_norm_eps
 
 
 class DeepseekV2(Architecture):
@@ -55,7 +57,7 @@ class DeepseekV2(Architecture):
                       f"in model.safetensors.index.json).")
         mla = MLAConfig(kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
                         qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-                        q_lora_rank=hf.get("q_lora_rank"))
+                        q_lora_rank=hf.get("q_lora_rank"), latent_norm_epsilon=LATENT_NORM_EPS)
         fields = parts.decoder(hf, rope_types=MLA_ROPE_TYPES, mla=mla, num_query_groups=heads,
                                kv_channels=mla.qk_head_dim + mla.qk_pos_emb_head_dim)
         try:  # what model/mla.py cannot compute exactly as transformers does
@@ -117,6 +119,9 @@ class DeepseekV2(Architecture):
         parts.expressible(cfg, self.model_type, free=free, rope_types=MLA_ROPE_TYPES, **fixed)
         if cfg.num_query_groups not in (None, cfg.num_attention_heads):
             raise HFCheckpointError(f"{self.model_type}: multi-latent attention has no query groups.")
+        if (cfg.mla.latent_norm_epsilon or cfg.norm_epsilon) != LATENT_NORM_EPS:
+            raise HFCheckpointError(f"{self.model_type} normalises the q/kv latents with eps "
+                                    f"{LATENT_NORM_EPS}: needs mla.latent_norm_epsilon={LATENT_NORM_EPS}.")
 
     def config_hf(self, cfg: GPTConfig) -> dict:
         """transformers config kwargs both DeepSeek versions share."""
