@@ -80,15 +80,20 @@ class MegatronCLI(LightningCLI):
         """A fresh `fit` whose HFExport would meet an earlier export stops here, not after its
         workers have started (a resumed run checks once it knows its step: HFExport)."""
         from lightning_mcore.callbacks.hf_export import HFExport
+        from lightning_mcore.hf.config import HFCheckpointError
         from lightning_mcore.hf.export_dir import ExportTargetError
 
-        if self.subcommand != "fit" or self._get(self.config, "ckpt_path"):
+        if self.subcommand != "fit":
             return
+        resumed = self._get(self.config, "ckpt_path")
         for callback in self.trainer.callbacks:
             if isinstance(callback, HFExport):
                 try:
-                    callback.check_targets(0, self.trainer.max_steps)
-                except ExportTargetError as error:
+                    if callback.mode == "peft" and getattr(self.model, "lora", None) is not None:
+                        self.model.check_peft_export()
+                    if not resumed:
+                        callback.check_targets(0, self.trainer.max_steps)
+                except (ExportTargetError, HFCheckpointError) as error:
                     self._error(f"trainer.callbacks (HFExport, dirpath={callback.dirpath}): {error}", error)
 
     def instantiate_trainer(self, **kwargs):

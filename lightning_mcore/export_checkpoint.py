@@ -87,6 +87,8 @@ def export_checkpoint(
         )
     protected = [checkpoint, source, saved.hf_path, saved.init_checkpoint]
     weights = models.weights(saved.config, saved.hf_family)
+    if mode == "peft":
+        models.refuse_peft_export(saved.config, saved.hf_family, LoRAConfig(**saved.lora))
     check_target(output, overwrite, protected)  # before any work; export_* check it again
     with single_process_megatron(), cuda_on_cpu():
         tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,

@@ -275,3 +275,19 @@ def test_flops_per_token_equal_torch_flop_counter(name, tmp_path):
     seq = 64
     expected = counted_training_flops(hf.train(), seq)
     assert training_flops_per_token(cfg, seq) == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_peft_export_peft_would_misread_is_refused_before_training():
+    """peft (transformers 5) takes DeepSeek's gate/up/down_proj targets for its routed experts:
+    an adapter on the dense/shared MLPs is refused as PEFT (merged is fine); attention is not."""
+    from hf_models import hf_config_dict
+
+    from lightning_mcore import LoRAConfig, models
+    from lightning_mcore.hf.config import HFCheckpointError
+
+    cfg, family = models.gpt_config_from_hf(hf_config_dict("deepseek_v3"))
+    with pytest.raises(HFCheckpointError, match=r"linear_fc1, linear_fc2 would load wrong.*merged"):
+        models.refuse_peft_export(cfg, family, LoRAConfig(target_modules="all-linear"))
+    models.refuse_peft_export(cfg, family, LoRAConfig(target_modules=["q_a_proj", "kv_b_proj", "o_proj"]))
+    llama, name = models.gpt_config_from_hf(hf_config_dict("llama"))
+    models.refuse_peft_export(llama, name, LoRAConfig(target_modules="all-linear"))

@@ -62,6 +62,8 @@ class HFExport(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.mode != "full" and getattr(pl_module, "lora", None) is None:
             raise ValueError(f"HFExport(mode={self.mode!r}) needs a module trained with LoRA; use mode='full'.")
+        if self.mode == "peft":
+            pl_module.check_peft_export()
 
     def on_train_start(self, trainer, pl_module) -> None:
         # After a resume has set global_step, before the first step costs anything.

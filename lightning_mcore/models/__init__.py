@@ -136,6 +136,19 @@ def export_config(cfg: GPTConfig, family: Optional[str], source_dir=None) -> Opt
     return hf_config_dict_from_gpt(cfg, _family(cfg, family).model_type)
 
 
+def refuse_peft_export(cfg: GPTConfig, family: Optional[str], lora) -> None:
+    """Refuse a PEFT export that peft would load wrong (the adapter is fine merged)."""
+    from lightning_mcore.model.lora import resolve_targets
+
+    arch = _family(cfg, family)
+    mlp = sorted({"linear_fc1", "linear_fc2"} & set(resolve_targets(lora.target_modules)))
+    if arch.peft_misreads_mlp and mlp:
+        raise HFCheckpointError(
+            f"a PEFT export of LoRA on {', '.join(mlp)} would load wrong: peft takes the MLP "
+            f"targets of {arch.hf_class} models for their routed experts. Export it merged "
+            f"(mode='merged', `lightning-mcore export --mode merged`), or adapt attention only.")
+
+
 def _family(cfg: GPTConfig, family: Optional[str]) -> Architecture:
     if family is None:
         reasons = []

@@ -55,6 +55,9 @@ class Architecture:
     # A model built from a GPTConfig is exported as the first family (lowest first) that can
     # express it; a base family goes before the ones that extend it.
     scratch_order: int = 50
+    # peft (on transformers 5) takes the gate/up/down_proj targets of this architecture for its
+    # fused routed experts: an adapter on the dense/shared MLPs would load in the wrong place.
+    peft_misreads_mlp: bool = False
 
     def gpt_config(self, hf: HFConfig) -> dict:
         """GPTConfig fields for this config.json (seq_length aside); refuse with hf.refuse."""

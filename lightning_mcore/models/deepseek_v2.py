@@ -33,6 +33,7 @@ class DeepseekV2(Architecture):
     required = ("intermediate_size", "moe_intermediate_size", "n_routed_experts",
                 "num_experts_per_tok") + MLA_FIELDS
     scratch_order = 60
+    peft_misreads_mlp = True
     # The router as the original model code names it; transformers computes only these.
     scoring, topk_method = "softmax", "greedy"
 

@@ -151,6 +151,8 @@ class MegatronModule(L.LightningModule):
         if mode == "peft":
             from lightning_mcore.hf.peft_export import export_peft
 
+            self.check_peft_export()
+
             return export_peft(chunks, self.model_config, self._weights(), self.lora, directory,
                                base_model=self.hf_path, overwrite=overwrite, protected=protected,
                                tokenizer_dir=self.tokenizer_path)
@@ -164,6 +166,10 @@ class MegatronModule(L.LightningModule):
                              protected=protected)
         finally:
             set_merged(chunks, False)
+
+    def check_peft_export(self) -> None:
+        """Refuse, before training, a PEFT export that peft would load wrong."""
+        models.refuse_peft_export(self.model_config, self.hf_family, self.lora)
 
     def _weights(self):
         return models.weights(self.model_config, self.hf_family)
