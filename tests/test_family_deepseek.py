@@ -20,7 +20,7 @@ from lightning_mcore.hf.transforms import RopeRows
 from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.model.lora import LoRAConfig
 from test_bad_inputs import error_line, write_config
-from test_hf_roundtrip import SaveLogitsAndExport, tensors
+from test_hf_roundtrip import check_logits_and_export
 from test_lora import TOKENS, Probe
 from test_throughput import counted_training_flops
 from toy import TokenRows, assemble, fit
@@ -41,31 +41,7 @@ CASES = ([("deepseek_v3", layout) for layout in LAYOUTS]
 @pytest.mark.distributed
 @pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{l}" for f, l in CASES])
 def test_logits_and_export_match_transformers(family, layout, tmp_path):
-    source = tmp_path / "source"
-    hf = make_hf_model(family, source)
-    tokens = torch.randint(0, hf.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    expected = hf_logits(hf, tokens)
-
-    devices, parallel = LAYOUTS[layout]
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        strategy=MegatronStrategy(global_batch_size=2, start_method="fork", **parallel),
-        callbacks=[SaveLogitsAndExport(tmp_path)],
-    )
-    trainer.predict(PretrainModule(str(source)), DataLoader([{"tokens": t} for t in tokens], batch_size=2))
-
-    logits = torch.load(tmp_path / "logits.pt")
-    assert logits.shape == expected.shape
-    assert (logits - expected).abs().max().item() <= 1e-4
-
-    original, written = tensors(source), tensors(tmp_path / "export")
-    assert written.keys() == original.keys()
-    for name, tensor in original.items():
-        assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
-    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    torch.testing.assert_close(hf_logits(reloaded.eval(), tokens), expected, rtol=0, atol=0)
+    check_logits_and_export(family, layout, tmp_path, layouts=LAYOUTS)
 
 
 DENSE = dict(num_moe_experts=None, moe_layer_freq=1, moe_shared_expert_intermediate_size=None,

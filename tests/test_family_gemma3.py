@@ -24,7 +24,7 @@ from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
 from lightning_mcore.data.packing import build_row, pack
 from lightning_mcore.objectives.sft import SFTModule
-from test_hf_roundtrip import SaveLogitsAndExport, tensors
+from test_hf_roundtrip import check_logits_and_export
 from test_sft_packing import LENGTHS, samples
 from test_sft_packing import SEQ as PACKED_SEQ
 from test_sft_packing import run as run_sft
@@ -45,32 +45,8 @@ def tokens(seq: int = SEQ, seed: int = 1) -> torch.Tensor:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_and_export_match_transformers(layout, tmp_path):
-    source = tmp_path / "source"
-    hf = make_hf_model("gemma3", source)
-    batch = tokens()
-    expected = hf_logits(hf, batch)
-
-    devices, parallel = LAYOUTS[layout]
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        strategy=MegatronStrategy(global_batch_size=2, start_method="fork", **parallel),
-        callbacks=[SaveLogitsAndExport(tmp_path)],
-    )
-    module = PretrainModule(str(source), model_overrides={"seq_length": SEQ})
-    trainer.predict(module, DataLoader([{"tokens": t} for t in batch], batch_size=2))
-
-    logits = torch.load(tmp_path / "logits.pt")
-    assert logits.shape == expected.shape
-    assert (logits - expected).abs().max().item() <= 1e-4
-
-    original, written = tensors(source), tensors(tmp_path / "export")
-    assert written.keys() == original.keys()
-    for name, tensor in original.items():
-        assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
-    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    torch.testing.assert_close(hf_logits(reloaded.eval(), batch), expected, rtol=0, atol=0)
+    check_logits_and_export("gemma3", layout, tmp_path, seq=SEQ, layouts=LAYOUTS,
+                            model_overrides={"seq_length": SEQ})
 
 
 @pytest.mark.distributed
