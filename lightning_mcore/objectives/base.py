@@ -152,7 +152,6 @@ class MegatronModule(L.LightningModule):
             from lightning_mcore.hf.peft_export import export_peft
 
             self.check_peft_export()
-
             return export_peft(chunks, self.model_config, self._weights(), self.lora, directory,
                                base_model=self.hf_path, overwrite=overwrite, protected=protected,
                                tokenizer_dir=self.tokenizer_path)
