@@ -39,6 +39,17 @@ class Entry:
         return tuple(n.format(L=layer, E=expert) for n in self.hf)
 
 
+@dataclass(frozen=True)
+class FusedExperts:
+    """How transformers 5 holds a family's routed experts in memory (on disk they stay per
+    expert): one module per layer (`module`, with {L}) whose 3-D parameters [experts, out, in]
+    (`params`, in declaration order) each stack per-expert HF tensors along out, e.g.
+    gate_up_proj = [gate_proj; up_proj]. peft adapts them through `target_parameters`."""
+
+    module: str
+    params: tuple[tuple[str, tuple[str, ...]], ...]
+
+
 # TE layer spec fuses the norms into the following linear; its names map to the local spec's.
 TE_TO_LOCAL = (
     (re.compile(r"^(.*)self_attention\.linear_qkv\.layer_norm_weight$"), r"\1input_layernorm.weight"),

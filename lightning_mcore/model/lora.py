@@ -11,6 +11,12 @@ sharded follows the base layer, so no rank ever holds a full base-sized product:
         h = A x is partial: all-reduce it (sequence parallel: reduce-scatter over the sequence,
         and B's gradient is summed over TP like A's above)
 
+MoE experts (the local SequentialMLP: mlp.experts.local_experts.<e>.linear_fc1/linear_fc2) get
+one A/B per expert, living on the expert's EP rank and named by the global expert index (so
+checkpoints reshard across EP). Their linears do no communication themselves (the token
+dispatcher does), so neither does their adapter; they are marked like mcore's expert weights
+(`allreduce = False`: gradients reduced over the expert-data-parallel group).
+
 Adapters live in one `lora` submodule per model chunk (keys carry the global layer number, so
 checkpoints reshard across PP) and run from forward hooks on the base layers, whose own
 parameters, names and checkpoint keys stay untouched and frozen. Only adapter parameters reach
@@ -24,7 +30,7 @@ import contextlib
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +62,7 @@ def _hf_to_mcore() -> dict[str, str]:
 
 
 HF_TO_MCORE = _hf_to_mcore()
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")  # the linears of each routed expert
 
 
 class LoRAError(ValueError):
@@ -73,13 +80,22 @@ class LoRAConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     use_rslora: bool = False
+    # MoE routed experts: None adapts them when the targets name their linears (linear_fc1/fc2,
+    # gate/up/down_proj, all-linear); False keeps them frozen; True requires it (an error if
+    # the targets name no expert linear).
+    experts: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise LoRAError(f"LoRA rank must be a positive int, got {self.rank!r}.")
         if not 0.0 <= self.dropout < 1.0:
             raise LoRAError(f"LoRA dropout must be in [0, 1), got {self.dropout}.")
-        resolve_targets(self.target_modules)
+        targets = resolve_targets(self.target_modules)
+        if self.experts and not set(targets) & set(EXPERT_TARGETS):
+            raise LoRAError(
+                f"LoRA experts=True but target_modules {self.target_modules!r} name no expert "
+                f"linear; add linear_fc1/linear_fc2 (gate_proj, up_proj, down_proj) or "
+                f"'all-linear', or set experts=False.")
 
     @property
     def scale(self) -> float:
@@ -113,10 +129,12 @@ class LoRAAdapter(torch.nn.Module):
     """A, B of one base linear; `forward(x)` is the scaled low-rank update of its output."""
 
     def __init__(self, kind: str, in_features: int, out_features: int, lora: LoRAConfig,
-                 sequence_parallel: bool, dtype: torch.dtype, device, gated: bool = False) -> None:
+                 sequence_parallel: bool, dtype: torch.dtype, device, gated: bool = False,
+                 expert: bool = False) -> None:
         super().__init__()
         self.gated = gated  # linear_fc1 of SwiGLU: output rows are [gate; up] per TP rank
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.expert = expert  # a routed expert's linear: sharded over expert-TP (1 for now)
+        tp = 1 if expert else parallel_state.get_tensor_model_parallel_world_size()
         self.kind, self.scale, self.sequence_parallel = kind, lora.scale, sequence_parallel
         a_in = in_features // tp if kind == "row" else in_features
         b_out = out_features // tp if kind == "column" else out_features
@@ -125,6 +143,8 @@ class LoRAAdapter(torch.nn.Module):
         # Replicated parameters used on sequence shards: mcore sums their gradients over TP.
         (self.lora_A if kind == "column" else self.lora_B).sequence_parallel = sequence_parallel
         (self.lora_B if kind == "column" else self.lora_A).lora_sharded = tp > 1
+        if expert:  # mcore's marker of expert weights: reduced over expert-DP, not DP
+            self.lora_A.allreduce = self.lora_B.allreduce = False
         self.dropout = lora.dropout
         self.merged, self.original = False, None
         self.enabled = True  # False: the base model alone (DPO's reference)
@@ -137,7 +157,9 @@ class LoRAAdapter(torch.nn.Module):
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
         h = F.linear(x, self.lora_A)
-        if self.kind == "column":
+        if self.expert:  # tokens already dispatched to this expert; its linears do no comms
+            pass
+        elif self.kind == "column":
             h = (mappings.gather_from_sequence_parallel_region(h) if self.sequence_parallel
                  else mappings.copy_to_tensor_model_parallel_region(h))
         else:
@@ -153,10 +175,21 @@ class LoRAAdapter(torch.nn.Module):
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+        if self.expert:
+            return self._expert_sharded_state_dict(prefix)
         out = make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, self.tp_axis, ())
         if self.gated:  # B's rows are [gate_i; up_i] per rank: saved as [gate; up] at any TP
             out[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(out[f"{prefix}lora_B"], ())
         return out
+
+    def _expert_sharded_state_dict(self, prefix: str) -> dict:
+        """Whole A and B under the global expert's key (in `prefix`), replicated over the
+        expert-data-parallel group only (other EP ranks hold other experts)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        replica = (0, 0, parallel_state.get_expert_data_parallel_rank())
+        return {f"{prefix}{n}": ShardedTensor.from_rank_offsets(f"{prefix}{n}", p, replica_id=replica)
+                for n, p in self.named_parameters()}
 
 
 class LoRAAdapters(torch.nn.ModuleDict):
@@ -181,8 +214,8 @@ def base_path(name: str) -> str:
 def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -> None:
     """Freeze every base parameter (and MoE routing bias) and attach adapters to the targeted
     layers."""
+    adapt_experts = adapts_experts(lora)
     targets = resolve_targets(lora.target_modules)
-    mlps_elsewhere = bool(chunks) and _mlps_outside_routed_experts(chunks[0].config)
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
@@ -199,23 +232,37 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
                 if short not in targets:
                     continue
                 if ".experts." in f".{path}.":
-                    if mlps_elsewhere:
-                        continue  # the dense and shared-expert MLPs take the MLP targets
-                    raise LoRAError(
-                        f"LoRA on MoE expert layers ({path}) is not supported yet; target the "
-                        f"attention linears (linear_qkv, linear_proj) of MoE models."
-                    )
+                    if not adapt_experts:
+                        continue  # experts=False: the dense and shared-expert MLPs only
+                    _check_local_experts(path, module, lora)
                 _attach(adapters, layer.layer_number, path, module, lora, seed)
         chunk.add_module("lora", adapters)
+    if lora.experts and chunks and not chunks[0].config.num_moe_experts:
+        raise LoRAError("LoRA experts=True, but the model has no MoE experts; leave experts unset.")
 
 
-def _mlps_outside_routed_experts(config) -> bool:
-    """Whether a MoE model also has dense MLPs (a mixed stack) or shared experts: MLP targets
-    then adapt those and leave the routed experts frozen, as peft does on transformers 5 (its
-    experts are fused tensors, not linears)."""
-    freq = config.moe_layer_freq
-    mixed = 0 in freq if isinstance(freq, list) else freq > 1
-    return mixed or bool(config.moe_shared_expert_intermediate_size)
+def adapts_experts(lora: LoRAConfig, cfg=None) -> bool:
+    """Whether `lora` puts adapters on routed experts (of `cfg`'s model, when given)."""
+    wanted = lora.experts is not False and bool(set(resolve_targets(lora.target_modules)) & set(EXPERT_TARGETS))
+    return wanted and (cfg is None or bool(cfg.num_moe_experts))
+
+
+def _check_local_experts(path: str, module, lora: LoRAConfig) -> None:
+    """Expert adapters exist for the local SequentialMLP at expert-TP 1, with a rank no larger
+    than the expert's dimensions."""
+    if ".local_experts." not in path:
+        raise LoRAError(
+            f"LoRA on grouped-GEMM experts ({path}, moe_grouped_gemm) is not supported yet; "
+            f"set moe_grouped_gemm=False, or LoRAConfig(experts=False) to keep experts frozen.")
+    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        raise LoRAError(
+            "LoRA on MoE experts needs expert_tensor_parallel_size=1 for now; set it, or "
+            "LoRAConfig(experts=False) to keep experts frozen.")
+    smallest = min(module.weight.shape)
+    if lora.rank > smallest:
+        raise LoRAError(
+            f"LoRA rank {lora.rank} is larger than the expert linear {path} "
+            f"({tuple(module.weight.shape)}): use rank <= {smallest}, or experts=False.")
 
 
 def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, seed: int) -> None:
@@ -223,13 +270,15 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     weight = getattr(module, "weight", None)
     if weight is None or weight.dim() != 2:
         raise LoRAError(f"LoRA cannot adapt {path} ({type(module).__name__}): no 2-D weight.")
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    expert = ".local_experts." in f".{path}"
+    tp = 1 if expert else parallel_state.get_tensor_model_parallel_world_size()
     out_f, in_f = weight.shape
     out_f, in_f = (out_f * tp, in_f) if kind == "column" else (out_f, in_f * tp)
-    sp = bool(getattr(module.config, "sequence_parallel", False))
+    sp = not expert and bool(getattr(module.config, "sequence_parallel", False))
     gated = path.endswith("linear_fc1") and bool(getattr(module.config, "gated_linear_unit", False))
-    adapter = LoRAAdapter(kind, in_f, out_f, lora, sp, weight.dtype, weight.device, gated)
-    name = adapter_name(layer_number, path)
+    adapter = LoRAAdapter(kind, in_f, out_f, lora, sp, weight.dtype, weight.device, gated, expert)
+    adapter.local_path = path  # the base layer inside its decoder layer (set_merged)
+    name = adapter_name(layer_number, _global_expert_path(path, module.config) if expert else path)
     _init_a(adapter, name, in_f, seed)
     adapters[name] = adapter
     fused_norm = hasattr(module, "return_layernorm_output")  # TE LayerNorm+Linear
@@ -238,6 +287,23 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     # First among the linear's hooks: a post norm hook (model/post_norm.py) normalises W x + B A x;
     # MLA's kv down projection gathers W x + B A x over TP (model/mla.py).
     module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True, prepend=True)
+
+
+def _global_expert_path(path: str, config) -> str:
+    """'mlp.experts.local_experts.<local>.x' -> the same with the global expert index."""
+    head, tail = path.split(".local_experts.", 1)
+    local, rest = tail.split(".", 1)
+    per_rank = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+    index = parallel_state.get_expert_model_parallel_rank() * per_rank + int(local)
+    return f"{head}.local_experts.{index}.{rest}"
+
+
+def expert_index(name: str) -> Optional[int]:
+    """The global expert of an adapter name (None: not an expert's)."""
+    path = base_path(name)
+    if ".local_experts." not in path:
+        return None
+    return int(path.split(".local_experts.", 1)[1].split(".", 1)[0])
 
 
 def _hook(adapter: LoRAAdapter, fused_norm: bool):
@@ -261,7 +327,7 @@ def _init_a(adapter: LoRAAdapter, name: str, in_features: int, seed: int) -> Non
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on fan_in
     full = torch.empty(adapter.lora_A.shape[0], in_features, device="cpu").uniform_(-bound, bound, generator=gen)
-    if adapter.kind == "row":
+    if adapter.kind == "row" and not adapter.expert:
         rank = parallel_state.get_tensor_model_parallel_rank()
         full = full.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=1)[rank]
     adapter.lora_A.copy_(full)
@@ -284,8 +350,8 @@ def set_merged(chunks, merged: bool) -> None:
     for name, adapter, model in adapters_of(chunks):
         if adapter.merged == merged:
             continue
-        layer_index, path = _split(name)
-        weight = _base_module(model, layer_index, path).weight
+        layer_index, _ = _split(name)
+        weight = _base_module(model, layer_index, adapter.local_path).weight
         if merged:
             adapter.original = weight.detach().to("cpu", copy=True)
             weight.copy_((weight.float() + adapter.delta()).to(weight.dtype))

@@ -140,13 +140,31 @@ def refuse_peft_export(cfg: GPTConfig, family: Optional[str], lora) -> None:
     """Refuse a PEFT export that peft would load wrong (the adapter is fine merged)."""
     from lightning_mcore.model.lora import resolve_targets
 
+    from lightning_mcore.model.lora import adapts_experts
+
     arch = _family(cfg, family)
+    if adapts_experts(lora, cfg):
+        if arch.peft_experts is None:
+            raise HFCheckpointError(
+                f"a PEFT export of LoRA on the routed experts of {arch.hf_class} models is not "
+                f"supported yet. Export it merged (mode='merged', `lightning-mcore export --mode "
+                f"merged`), or keep experts frozen (LoRAConfig experts=False).")
+        if lora.dropout:
+            raise HFCheckpointError(
+                f"peft cannot load LoRA dropout={lora.dropout} on fused expert parameters "
+                f"(target_parameters); train with dropout 0, or export merged.")
+        return
     mlp = sorted({"linear_fc1", "linear_fc2"} & set(resolve_targets(lora.target_modules)))
     if arch.peft_misreads_mlp and mlp:
         raise HFCheckpointError(
             f"a PEFT export of LoRA on {', '.join(mlp)} would load wrong: peft takes the MLP "
             f"targets of {arch.hf_class} models for their routed experts. Export it merged "
             f"(mode='merged', `lightning-mcore export --mode merged`), or adapt attention only.")
+
+
+def peft_experts(cfg: GPTConfig, family: Optional[str]):
+    """How transformers holds `family`'s routed experts (hf/mappings.py FusedExperts), or None."""
+    return _family(cfg, family).peft_experts if family is not None else None
 
 
 def _family(cfg: GPTConfig, family: Optional[str]) -> Architecture:

@@ -8,10 +8,10 @@ It ends with `ARCHITECTURE = <its class>()`, which the registry (models/__init__
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Optional
 
 from lightning_mcore.hf.config import HFCheckpointError
-from lightning_mcore.hf.mappings import Entry
+from lightning_mcore.hf.mappings import Entry, FusedExperts
 from lightning_mcore.model.config import GPTConfig
 
 # Every architecture needs these in config.json; `Architecture.required` adds its own.
@@ -58,6 +58,9 @@ class Architecture:
     # peft (on transformers 5) takes the gate/up/down_proj targets of this architecture for its
     # fused routed experts: an adapter on the dense/shared MLPs would load in the wrong place.
     peft_misreads_mlp: bool = False
+    # How transformers holds the routed experts, for a PEFT export of expert adapters (None:
+    # not known, such an export is refused; merged works).
+    peft_experts: Optional[FusedExperts] = None
 
     def gpt_config(self, hf: HFConfig) -> dict:
         """GPTConfig fields for this config.json (seq_length aside); refuse with hf.refuse."""

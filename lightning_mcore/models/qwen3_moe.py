@@ -4,6 +4,7 @@ windowed."""
 
 from __future__ import annotations
 
+from lightning_mcore.hf.mappings import FusedExperts
 from lightning_mcore.models import parts
 from lightning_mcore.models.qwen3 import Qwen3
 
@@ -12,6 +13,9 @@ class Qwen3Moe(Qwen3):
     hf_class, model_type, config_class = "Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeConfig"
     required = ("intermediate_size", "num_key_value_heads", "num_experts_per_tok",
                 "moe_intermediate_size")
+    # transformers 5: Qwen3MoeExperts.gate_up_proj [E, 2f, h], down_proj [E, h, f]
+    peft_experts = FusedExperts("model.layers.{L}.mlp.experts",
+                                (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))
 
     def gpt_config(self, hf):
         if hf.get("decoder_sparse_step", 1) != 1:

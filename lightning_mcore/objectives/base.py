@@ -227,19 +227,24 @@ class MegatronModule(L.LightningModule):
 
 def _count_parameters(chunks, trainable_only: bool = False) -> int:
     """Parameters of the whole model: TP shards summed, TP-replicated tensors counted once,
-    stages summed over the pipeline (a tied output layer on the last stage counts again)."""
-    from megatron.core import parallel_state
+    stages summed over the pipeline (a tied output layer on the last stage counts again);
+    MoE expert weights (`allreduce=False`) summed over EP, counted once per expert-TP group."""
+    from megatron.core import parallel_state as ps
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    mine = sum(p.numel() for c in chunks for p in c.parameters()
-               if (p.requires_grad or not trainable_only)
-               and (tp_rank == 0 or getattr(p, "tensor_model_parallel", False)
-                    or getattr(p, "lora_sharded", False)))
+    ranks = {False: ps.get_tensor_model_parallel_rank(), True: ps.get_expert_tensor_parallel_rank()}
+    mine = [0, 0]  # dense, expert
+    for p in (p for c in chunks for p in c.parameters()):
+        expert = not getattr(p, "allreduce", True)
+        if (p.requires_grad or not trainable_only) and (
+                ranks[expert] == 0 or getattr(p, "tensor_model_parallel", False)
+                or getattr(p, "lora_sharded", False)):
+            mine[expert] += p.numel()
     device = next(p for c in chunks for p in c.parameters()).device  # NCCL needs it on the GPU
-    mine = torch.tensor(mine, dtype=torch.int64, device=device)
+    dense, expert = (torch.tensor(n, dtype=torch.int64, device=device) for n in mine)
     if dist.is_initialized():
-        for group in (parallel_state.get_tensor_model_parallel_group(),
-                      parallel_state.get_pipeline_model_parallel_group()):
-            dist.all_reduce(mine, group=group)
-    return int(mine.item())
-
+        dist.all_reduce(dense, group=ps.get_tensor_model_parallel_group())
+        dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
+        dense += expert
+        dist.all_reduce(dense, group=ps.get_pipeline_model_parallel_group())
+        return int(dense.item())
+    return int((dense + expert).item())
