@@ -30,8 +30,9 @@ def trainable(hf, r: int) -> int:
     """r x (in + out) per adapted linear: attention (fused q/k/v share one A) and every expert's
     fc1 ([gate; up] share one A) and fc2."""
     c = hf.config
-    head = c.head_dim
-    q, kv, h, f = c.num_attention_heads * head, c.num_key_value_heads * head, c.hidden_size, c.moe_intermediate_size
+    h, f = c.hidden_size, c.moe_intermediate_size
+    head = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
     per_expert = r * ((h + 2 * f) + (f + h))
     return c.num_hidden_layers * (r * ((h + q + 2 * kv) + (q + h)) + c.num_experts * per_expert)
 

@@ -7,10 +7,20 @@ query group and linear_fc1's B into gate/up ([gate_i; up_i] per rank), all shari
 
     adapter_model.safetensors: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight ...
     adapter_config.json:       peft's LoraConfig (r, lora_alpha, target_modules in HF names, ...)
+
+Routed experts (one adapter per expert, whole at expert-TP 1, on its EP rank) map per expert
+as their weights do (...mlp.experts.<e>.gate_proj: the layout of per-expert linears, vLLM's);
+with `experts="fused"` rank 0 then stacks them the way peft adapts transformers 5's fused 3-D
+expert parameters (`target_parameters`, one ParamWrapper per parameter, nested in declaration
+order: the first is innermost, under `base_layer.`):
+
+    lora_A [E*r, in]:  expert e's A in rows e*r .. e*r+r-1
+    lora_B [out, r*E]: column k*E + e is column k of expert e's B
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -19,9 +29,11 @@ import torch.distributed as dist
 
 from lightning_mcore.hf.export import TOKENIZER_FILES, copy_files
 from lightning_mcore.hf.export_dir import check_target, staged_dir
-from lightning_mcore.hf.mappings import Entry
+from lightning_mcore.hf.mappings import Entry, FusedExperts
 from lightning_mcore.hf.transforms import Dims
-from lightning_mcore.model.lora import TARGETS, adapters_of, base_path
+from lightning_mcore.model.lora import TARGETS, adapters_of, base_path, expert_index
+
+EXPERT_LAYOUTS = ("fused", "per_expert")
 
 
 def _gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
@@ -36,48 +48,93 @@ def _gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
     return shards
 
 
-def adapter_tensors(chunks, cfg, weights: list[Entry]) -> dict[str, torch.Tensor]:
-    """This rank's adapters as full PEFT-named tensors (on every TP rank; CPU, fp32 kept as is)."""
+def adapter_tensors(chunks, cfg, weights: list[Entry]) -> tuple[dict, dict]:
+    """This rank's adapters as full PEFT-named tensors (CPU, fp32 kept as is): (dense ones, on
+    every TP rank; routed experts' ones, per expert, on the expert's EP rank)."""
     entries = {e.mcore: e for e in weights}
     dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
                 cfg.head_dim, cfg.vocab_size, cfg.vocab_size)
-    out = {}
+    dense, experts = {}, {}
     for name, adapter, _ in adapters_of(chunks):
         path = base_path(name)  # decoder.layers.<L>.self_attention.linear_qkv
-        layer = int(path.split(".")[2])
+        layer, expert = int(path.split(".")[2]), expert_index(name)
         short = path.rsplit(".", 1)[-1]
-        entry = entries["decoder.layers.{L}." + path.split(".", 3)[3] + ".weight"]
-        names = entry.hf_names(layer)
+        local = re.sub(r"\.local_experts\.\d+\.", ".local_experts.{E}.", path.split(".", 3)[3])
+        entry = entries["decoder.layers.{L}." + local + ".weight"]
+        names = entry.hf_names(layer, expert)
+        gather = (lambda t, dim: [t.detach()]) if adapter.expert else _gather  # expert-TP 1
         if TARGETS[short][0] == "column":
-            bs = entry.transform.save(_gather(adapter.lora_B, 0), names, dims)
+            bs = entry.transform.save(gather(adapter.lora_B, 0), names, dims)
             pieces = {n: (adapter.lora_A.detach(), bs[n]) for n in names}
         else:
-            a = entry.transform.save(_gather(adapter.lora_A, 1), names, dims)
+            a = entry.transform.save(gather(adapter.lora_A, 1), names, dims)
             pieces = {n: (a[n], adapter.lora_B.detach()) for n in names}
+        out = experts if adapter.expert else dense
         for hf_name, (a, b) in pieces.items():
             stem = "base_model.model." + hf_name.removesuffix(".weight")
             out[f"{stem}.lora_A.weight"] = a.cpu().contiguous()
             out[f"{stem}.lora_B.weight"] = b.cpu().contiguous()
-    return out
+    return dense, experts
+
+
+def _is_expert(key: str) -> bool:
+    return re.search(r"\.experts\.\d+\.", key) is not None
+
+
+def fuse_experts(tensors: dict, layout: FusedExperts, num_experts: int) -> tuple[dict, list[str]]:
+    """Per-expert adapter tensors -> peft's target_parameters tensors for `layout` (the module
+    doc); the others pass through. Also the target_parameters (peft's sorted order)."""
+    out = {k: v for k, v in tensors.items()}
+    prefix = "base_model.model." + layout.module
+    pattern = re.compile(re.escape(prefix).replace(r"\{L\}", r"(?P<L>\d+)")
+                         + r"\.(?P<E>\d+)\.(?P<n>[^.]+)\.lora_(?P<ab>[AB])\.weight$")
+    found: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
+    for key in tensors:
+        m = pattern.match(key)
+        if m:
+            found.setdefault((int(m["L"]), m["n"]), {}).setdefault(int(m["E"]), {})[m["ab"]] = out.pop(key)
+    layers = sorted({layer for layer, _ in found})
+    targeted = [(p, parts) for p, parts in layout.params if any((layers[0], n) in found for n in parts)] if layers else []
+    for layer in layers:
+        module = prefix.format(L=layer)
+        for depth, (param, parts) in enumerate(targeted):
+            stem = module + "." + "base_layer." * (len(targeted) - 1 - depth)
+            per = [found.pop((layer, n)) for n in parts]
+            if any(sorted(p) != list(range(num_experts)) for p in per):
+                raise ValueError(f"{module}.{param}: adapters of some experts are missing.")
+            a = torch.stack([per[0][e]["A"] for e in range(num_experts)])  # [E, r, in]
+            b = torch.stack([torch.cat([p[e]["B"] for p in per]) for e in range(num_experts)], -1)
+            out[stem + "lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()
+            out[stem + "lora_B.weight"] = b.reshape(b.shape[0], -1).contiguous()  # [out, r*E]
+    if found:
+        raise ValueError(f"expert adapters {sorted(found)[:3]} are not all of {layout.params}.")
+    module = layout.module.rsplit(".", 2)[-2:]  # e.g. mlp.experts
+    return out, sorted(".".join(module) + "." + p for p, _ in targeted)
 
 
 def export_peft(chunks, cfg, weights: list[Entry], lora, out_dir, base_model: Optional[str] = None,
                 overwrite: bool = False, protected: Iterable = (),
-                tokenizer_dir=None) -> Optional[Path]:
+                tokenizer_dir=None, fused_experts: Optional[FusedExperts] = None,
+                experts: str = "fused") -> Optional[Path]:
     """Collective: every rank sends its stage's adapters to rank 0, which writes the directory
     under a temporary name and renames it when complete. `out_dir` must be new or empty, or
     (with `overwrite`) an earlier export, and not hold or sit inside `base_model`/`protected`.
-    The tokenizer files of `tokenizer_dir` (or of `base_model`) are copied along."""
-    from megatron.core import parallel_state
+    The tokenizer files of `tokenizer_dir` (or of `base_model`) are copied along. Expert
+    adapters: `experts="fused"` in `fused_experts`' layout (what peft loads on transformers 5),
+    or "per_expert" (per-expert linears, as vLLM's MoE LoRA loader names them)."""
+    from megatron.core import parallel_state as ps
     from peft import LoraConfig
     from safetensors.torch import save_file
 
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}.")
     out_dir = check_target(out_dir, overwrite, [base_model, *protected])
+    dense, expert_tensors = adapter_tensors(chunks, cfg, weights)
     mine = {}
-    if parallel_state.get_data_parallel_rank() == 0:
-        tensors = adapter_tensors(chunks, cfg, weights)
-        if parallel_state.get_tensor_model_parallel_rank() == 0:
-            mine = tensors
+    if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
+        mine.update(dense)
+    if ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0:
+        mine.update(expert_tensors)
     parts = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0)
@@ -85,12 +142,21 @@ def export_peft(chunks, cfg, weights: list[Entry], lora, out_dir, base_model: Op
             dist.barrier()
             return None
     tensors = {k: v for part in parts for k, v in part.items()}
+    target_parameters, fused = None, set()
+    if experts == "fused" and any(_is_expert(k) for k in tensors):
+        if fused_experts is None:
+            raise ValueError("expert adapters need the family's FusedExperts layout for a fused "
+                             "PEFT export; export per_expert or merged.")
+        before = set(tensors)
+        tensors, target_parameters = fuse_experts(tensors, fused_experts, cfg.num_moe_experts)
+        fused = set(tensors) - before
     # PEFT matches modules by the last part of their HF name (q_proj, ...; the family's names).
-    hf_targets = sorted({name.rsplit(".", 3)[-3] for name in tensors})
+    hf_targets = sorted({name.rsplit(".", 3)[-3] for name in tensors if name not in fused})
     with staged_dir(out_dir, {"format": "peft"}) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                   use_rslora=lora.use_rslora, target_modules=hf_targets, task_type="CAUSAL_LM",
+                   use_rslora=lora.use_rslora, target_modules=hf_targets or None,
+                   target_parameters=target_parameters, task_type="CAUSAL_LM",
                    base_model_name_or_path=str(base_model) if base_model else None).save_pretrained(tmp)
         copy_files(tokenizer_dir or base_model, tmp, TOKENIZER_FILES)
     if dist.is_initialized():

@@ -102,6 +102,11 @@ class LoRAConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
+def saved_lora(fields: dict) -> LoRAConfig:
+    """The LoRAConfig a checkpoint recorded; those from before expert adapters had none."""
+    return LoRAConfig(**{"experts": False, **fields})
+
+
 def resolve_targets(target_modules) -> tuple[str, ...]:
     """mcore module names to adapt, in a fixed order; clear errors for anything else."""
     names = [target_modules] if isinstance(target_modules, str) else list(target_modules)

@@ -154,7 +154,8 @@ class MegatronModule(L.LightningModule):
             self.check_peft_export()
             return export_peft(chunks, self.model_config, self._weights(), self.lora, directory,
                                base_model=self.hf_path, overwrite=overwrite, protected=protected,
-                               tokenizer_dir=self.tokenizer_path)
+                               tokenizer_dir=self.tokenizer_path,
+                               fused_experts=models.peft_experts(self.model_config, self.hf_family))
         set_merged(chunks, True)
         try:
             return export_hf(chunks, self.model_config, self._weights(),
