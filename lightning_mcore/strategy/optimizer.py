@@ -136,6 +136,13 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):
+        chained = getattr(self.optimizer, "chained_optimizers", None)
+        if chained and any(getattr(o, "is_stub_optimizer", False) for o in chained):
+            # mcore chains a stub (no torch optimizer) for a group without trainable
+            # parameters, e.g. the dense one when LoRA adapts MoE experts only.
+            from megatron.core.optimizer.optimizer import ProxyDict
+
+            return ProxyDict([{} if getattr(o, "is_stub_optimizer", False) else o.state for o in chained])
         return self.optimizer.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
