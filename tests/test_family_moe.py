@@ -83,7 +83,8 @@ def test_training_steps_match_single_process(family, layout, single_process, tmp
 
 ATTENTION = ["k_proj", "o_proj", "q_proj", "v_proj"]
 # Mixtral's MLPs are all routed experts (not adapted): attention only. Qwen2-MoE's dense layer
-# and shared experts take the MLP targets; its routed experts stay frozen.
+# and shared experts take the MLP targets; its routed experts stay frozen (experts=False; expert
+# adapters: tests/test_lora_experts.py).
 LORA_CASES = {"mixtral": (["linear_qkv", "linear_proj"], ATTENTION),
               "qwen2_moe": ("all-linear", sorted(ATTENTION + ["down_proj", "gate_proj", "up_proj"]))}
 
@@ -110,7 +111,7 @@ def test_lora_exports_a_peft_adapter_that_peft_loads(family, tmp_path):
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
     targets, hf_targets = LORA_CASES[family]
-    lora = LoRAConfig(target_modules=targets, rank=4, alpha=8.0)
+    lora = LoRAConfig(target_modules=targets, rank=4, alpha=8.0, experts=False)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(tmp_path)],

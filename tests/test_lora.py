@@ -137,11 +137,3 @@ def test_lora_config_errors_are_clear():
     with pytest.raises(LoRAError, match="mcore fuses k_proj, q_proj, v_proj into linear_qkv"):
         LoRAConfig(target_modules=["q_proj", "v_proj"])
     assert LoRAConfig(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]).rank == 8
-
-
-@pytest.mark.distributed
-def test_lora_on_moe_experts_is_refused(tmp_path):
-    config = tiny_config(num_moe_experts=4, moe_ffn_hidden_size=32)
-    with pytest.raises(Exception, match="LoRA on MoE expert layers"):
-        fit(tmp_path, devices=1, steps=1, config=config,
-            module_kwargs={"lora": LoRAConfig(target_modules="all-linear")})
