@@ -263,6 +263,8 @@ def test_a_peft_export_peft_would_misread_is_refused_before_training():
 
     cfg, family = models.gpt_config_from_hf(hf_config_dict("deepseek_v3"))
     with pytest.raises(HFCheckpointError, match=r"linear_fc1, linear_fc2 would load wrong.*merged"):
+        models.refuse_peft_export(cfg, family, LoRAConfig(target_modules="all-linear", experts=False))
+    with pytest.raises(HFCheckpointError, match=r"PEFT export of LoRA on the routed experts.*merged"):
         models.refuse_peft_export(cfg, family, LoRAConfig(target_modules="all-linear"))
     models.refuse_peft_export(cfg, family, LoRAConfig(target_modules=["q_a_proj", "kv_b_proj", "o_proj"]))
     llama, name = models.gpt_config_from_hf(hf_config_dict("llama"))
