@@ -1,7 +1,8 @@
 """Acceptance 7 of issue 18 on GPU: each family added there (Transformer Engine spec, bf16) trains
 a few steps at TP=2+SP (MoE families: EP=2) from its tiny HF model, its loss falls on a repeated
 batch, and its logits before training match transformers' fp32 model within bf16 rounding
-(verify's relative-per-token measure). All families in one torchrun launch
+(verify's relative-per-token measure; tolerance: verify's 0.1, or 1.5x transformers' own bf16
+model where that is further off). All families in one torchrun launch
 (gpu_families_script.py). Needs 2 GPUs; skipped without CUDA.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import hf_logits, make_hf_model
+from hf_models import bf16_tolerance, hf_logits, make_hf_model, relative_logit_error
 
 pytestmark = [pytest.mark.gpu]
 
@@ -29,13 +30,14 @@ FAMILIES = {  # family: parallel layout on 2 GPUs
 
 
 def run_families(root: Path, families: dict, accelerator: str, precision: str) -> dict:
-    """{family: (relative logit difference, losses)} from one torchrun launch."""
-    expected = {}
+    """{family: (relative logit difference, its bf16 tolerance, losses)} from one torchrun launch."""
+    expected, tolerance = {}, {}
     for family in families:
         hf = make_hf_model(family, root / family / "source")
         tokens = torch.randint(0, hf.config.vocab_size, (4, 33), generator=torch.Generator().manual_seed(1))
         torch.save(tokens, root / family / "tokens.pt")
         expected[family] = hf_logits(hf, tokens[:2, :-1])  # 32: a multiple of TP under SP
+        tolerance[family] = bf16_tolerance(hf, tokens[:2, :-1])
     (root / "cases.json").write_text(json.dumps([{"family": f, "layout": lay} for f, lay in families.items()]))
     here = Path(__file__).parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
@@ -45,16 +47,17 @@ def run_families(root: Path, families: dict, accelerator: str, precision: str) -
     results = {}
     for family, want in expected.items():
         out = torch.load(root / family / "out.pt")
-        error = ((out["logits"] - want).abs().amax(-1) / want.abs().amax(-1).clamp(min=1)).max().item()
-        results[family] = (error, out["losses"])
+        error = relative_logit_error(out["logits"], want)
+        results[family] = (error, tolerance[family], out["losses"])
         print(json.dumps({"family": family, "layout": families[family], "precision": precision,
-                          "rel_logit_diff": error, "losses": [round(x, 4) for x in out["losses"]]}))
+                          "rel_logit_diff": error, "tolerance": tolerance[family],
+                          "losses": [round(x, 4) for x in out["losses"]]}))
     return results
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_families_train_on_te_in_bf16_and_match_transformers(tmp_path):
-    for family, (error, losses) in run_families(tmp_path, FAMILIES, "gpu", "bf16-mixed").items():
-        assert error <= 1e-1, (family, error)  # verify's bf16 tolerance (relative per token)
+    for family, (error, tolerance, losses) in run_families(tmp_path, FAMILIES, "gpu", "bf16-mixed").items():
+        assert error <= tolerance, (family, error, tolerance)
         assert all(map(torch.isfinite, map(torch.tensor, losses))), (family, losses)
         assert losses[-1] < losses[0] - 0.5, (family, losses)
