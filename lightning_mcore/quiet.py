@@ -30,9 +30,11 @@ HARMLESS = (
     Harmless(r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning,
              r"megatron\.core\.",
              "on CPU torch's optimizers and multi-tensor ops are the ones to use", cpu_only=True),
-    Harmless(r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning,
+    Harmless(r"full scope is deprecated\. Use empty cuda_graph_(scope|modules)", UserWarning,
              r"megatron\.core\.transformer\.transformer_config",
              "mcore's TransformerConfig warns about its own default (cuda_graph_scope='full')"),
+    Harmless(r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\.models\.mimo",
+             "mcore 0.19 imports its multimodal model's config as it starts; we do not use it"),
     Harmless(r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
              r"environment variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning,
              r"megatron\.core\.tensor_parallel\.layers",

@@ -6,6 +6,9 @@ from unittest import mock
 # OMP_NUM_THREADS is set; one thread per rank also suits 2 cores.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# GPU tests compare fp32 with transformers' fp32: Transformer Engine runs fp32 GEMMs in TF32
+# unless this is set before CUDA starts (Gemma 3's tiny model: 8e-3 off with TF32, 4e-6 without).
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -94,3 +95,18 @@ def make_hf_model(name: str, directory: Path, seed: int = 0):
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()
+
+
+def relative_logit_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """verify's measure: max over positions of max|logits - reference| / max(1, max|reference|)."""
+    error = (logits - reference).abs().amax(-1) / reference.abs().amax(-1).clamp(min=1)
+    return error.max().item()
+
+
+def bf16_tolerance(model, tokens: torch.Tensor, floor: float = 0.1) -> float:
+    """What a bf16 run may be off from transformers' fp32 logits: verify's bf16 tolerance, or
+    1.5x transformers' own model in bf16 where that is further off (Gemma 3's tiny model: 0.096,
+    the other families 0.005-0.03)."""
+    own = relative_logit_error(hf_logits(copy.deepcopy(model).to(torch.bfloat16), tokens),
+                               hf_logits(model, tokens))
+    return max(floor, 1.5 * own)

@@ -8,11 +8,10 @@ import json
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from hf_models import hf_config_dict, hf_logits, make_hf_model
-from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule, models
+from lightning_mcore import OptimizerSettings, models
 from lightning_mcore.cli import main
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import local_name
@@ -21,9 +20,9 @@ from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.model.lora import LoRAConfig
 from test_bad_inputs import error_line, write_config
 from test_hf_roundtrip import check_logits_and_export
-from test_lora import TOKENS, Probe
+from test_lora import TOKENS, fit_lora_at_tp2_sp
 from test_throughput import counted_training_flops
-from toy import TokenRows, assemble, fit
+from toy import assemble, fit
 
 LAYOUTS = {
     "tp1": (1, {}),
@@ -117,14 +116,7 @@ def test_lora_on_attention_exports_a_peft_adapter_at_tp2(family, tmp_path):
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
     lora = LoRAConfig(target_modules=LORA_TARGETS[family], rank=4, alpha=8.0)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(tmp_path)],
-        strategy=MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True,
-                                  global_batch_size=4, micro_batch_size=2, start_method="fork"),
-    )
-    module = PretrainModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0), lora=lora)
-    trainer.fit(module, DataLoader(TokenRows(n=16, seq=16, vocab=200), batch_size=4))
+    fit_lora_at_tp2_sp(source, lora, tmp_path)
 
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts["base_unchanged"]

@@ -10,20 +10,18 @@ summed over TP ranks, as for norms)."""
 
 import json
 
-import lightning as L
 import pytest
 import torch
 import transformers as tf
-from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_models import COMMON, FAMILIES, hf_logits, make_hf_model
-from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings, PretrainModule
+from lightning_mcore import GPTConfig, OptimizerSettings, PretrainModule
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.models import family_of, gpt_config_from_hf, hf_config_dict_from_gpt
-from test_lora import TOKENS, Probe, tensors
+from test_lora import TOKENS, fit_lora_at_tp2_sp, tensors
 from test_throughput import counted_training_flops
 from toy import TokenRows, assemble, fit
 
@@ -112,14 +110,7 @@ def test_lora_exports_a_peft_adapter_that_peft_loads(family, tmp_path):
     hf = make_hf_model(family, source)
     targets, hf_targets = LORA_CASES[family]
     lora = LoRAConfig(target_modules=targets, rank=4, alpha=8.0, experts=False)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(tmp_path)],
-        strategy=MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True,
-                                  global_batch_size=4, micro_batch_size=2, start_method="fork"),
-    )
-    module = PretrainModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0), lora=lora)
-    trainer.fit(module, DataLoader(TokenRows(n=16, seq=16, vocab=200), batch_size=4))
+    fit_lora_at_tp2_sp(source, lora, tmp_path)
 
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts["base_unchanged"] and facts["trainable"] == trainable(hf, 4)

@@ -52,6 +52,18 @@ class Probe(L.Callback):
                 {"trainable": pl_module.lora_trainable_parameters, "base_unchanged": same}))
 
 
+def fit_lora_at_tp2_sp(source, lora, out) -> None:
+    """Three LoRA steps at TP=2+SP from the HF directory `source`; Probe writes to `out`."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(out)],
+        strategy=MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True,
+                                  global_batch_size=4, micro_batch_size=2, start_method="fork"),
+    )
+    module = PretrainModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0), lora=lora)
+    trainer.fit(module, DataLoader(TokenRows(n=16, seq=16, vocab=200), batch_size=4))
+
+
 def formula(cfg, r: int) -> int:
     h, f = cfg.hidden_size, cfg.intermediate_size
     head = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads

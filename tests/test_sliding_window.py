@@ -31,6 +31,7 @@ from lightning_mcore.model.packing import block_causal_mask, causal_mask
 from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
 from lightning_mcore.objectives.sft import SFTModule
 from lightning_mcore.strategy.parallel import validate_layout
+from test_sft_packing import LENGTHS, SEQ, samples
 from toy import assemble, fit, tiny_config
 
 WINDOW, TOKENS = 8, 32  # inputs 4x the window
@@ -187,20 +188,8 @@ def test_logits_match_transformers_beyond_the_window(family, layout, tmp_path):
 
 
 # ------------------------------------------------------------------ packed SFT
-SEQ = 32
-LENGTHS = [20, 12, 18, 14, 25, 7, 16, 16]  # best-fit decreasing packs them into 4 full rows
 UNWINDOWED = dict(init_method_std=0.2)  # weights large enough that attention is not uniform
 WINDOWED = dict(UNWINDOWED, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
-
-
-def samples():
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for n in LENGTHS:
-        ids = torch.randint(0, 500, (n,), generator=gen).tolist()
-        mask = (torch.rand(n, generator=gen) < 0.6).int().tolist()
-        out.append((ids, mask))
-    return out
 
 
 def run(tmp_path, name, rows, module_cls, window: dict, devices=1, **parallel):

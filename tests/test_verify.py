@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
 
-from hf_models import COMMON, FAMILIES, hf_logits, make_hf_model
+from hf_models import COMMON, FAMILIES, bf16_tolerance, hf_logits, make_hf_model
 from lightning_mcore.cli import main
 from lightning_mcore.verify import TEXTS, build_prompts, relative_diff
 
@@ -171,10 +171,14 @@ def test_default_prompts_are_the_texts_when_there_is_a_tokenizer_and_fit_the_mod
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_verify_with_transformer_engine_on_gpu(family, precision, tmp_path):
     """Transformer Engine layers (TP=2 + SP on 2 GPUs, else one) against transformers in fp32 on
-    CPU, within the precision's default tolerance (bf16: 1e-1; 32-true: TE's GEMMs run TF32)."""
-    make_hf_model(family, tmp_path / family)
+    CPU, within the precision's default tolerance (32-true: the TF32 one, though conftest turns
+    TF32 off) or, in bf16, 1.5x transformers' own bf16 model's error where that is the larger."""
+    hf = make_hf_model(family, tmp_path / family)
     two = torch.cuda.device_count() >= 2
     layout = ["--tensor_model_parallel_size", "2", "--sequence_parallel"] if two else []
+    if precision == "bf16-mixed":  # verify's 0.1, or wider where transformers' own bf16 is off more
+        tokens = torch.randint(0, hf.config.vocab_size, (3, 32), generator=torch.Generator().manual_seed(0))
+        layout += ["--tolerance", str(bf16_tolerance(hf, tokens))]
     run = subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "verify", "--model", str(tmp_path / family),
                           "--accelerator", "gpu", "--precision", precision, *layout],
                          capture_output=True, text=True, timeout=600)

@@ -175,7 +175,7 @@ def _is_sender(expert: bool) -> bool:
     return (ranks["etp"] if expert else ranks["tp"])[0] == 0
 
 
-def _write_metadata(directory: Path, hf_config: dict, source_dir, dtype: torch.dtype,
+def _write_metadata(directory: Path, hf_config: Optional[dict], source_dir, dtype: torch.dtype,
                     tokenizer_dir=None) -> None:
     source = Path(source_dir) if source_dir else None
     if hf_config is None:

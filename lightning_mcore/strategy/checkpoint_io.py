@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import multiprocessing as mp
 import queue
 import shutil
@@ -113,6 +114,13 @@ def _results_queue(async_save: bool) -> None:
     filesystem_async._results_queue = mp.get_context("fork").Queue() if async_save else queue.Queue()
 
 
+def _mcore_async_writer(save_fn) -> dict:
+    """mcore 0.19 writes async saves with nvidia-resiliency-ext unless told otherwise
+    (async_strategy="nvrx", a package we do not depend on); mcore's own forked writer is the one
+    `_results_queue` is set up for. mcore 0.16 has only that one."""
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save_fn).parameters else {}
+
+
 def save(path: Path, common: dict, chunks, optimizer, rank: int,
          options: CheckpointOptions = CheckpointOptions()):
     """Collective: every rank writes its shards into a temporary directory, rank 0 renames it.
@@ -134,7 +142,8 @@ def save(path: Path, common: dict, chunks, optimizer, rank: int,
     if rank == 0:
         torch.save(common, tmp / COMMON)  # check_plain(common) ran in strip_for_common
     state = sharded_state_dict(chunks, optimizer if options.save_optimizer else None, is_loading=False)
-    request = dist_checkpointing.save(state, str(tmp / WEIGHTS), async_sharded_save=options.async_save)
+    request = dist_checkpointing.save(state, str(tmp / WEIGHTS), async_sharded_save=options.async_save,
+                                      **_mcore_async_writer(dist_checkpointing.save))
 
     def publish() -> None:
         dist.barrier()

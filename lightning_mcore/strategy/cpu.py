@@ -25,9 +25,9 @@ MoE (local spec, SequentialMLP experts), patched in mcore's modules while instal
 9. mcore 0.19's DDP orders its gradient reduction after `torch.cuda.current_stream()`: a
    stream whose waits and records do nothing (CPU work is in program order).
 10. With Transformer Engine installed (a GPU machine running CPU work), mcore picks TE's fused
-   (CUDA) Adam and TE's multi-tensor kernels for the grad norm, clipping and main-param copies:
-   on CPU, torch's Adam and mcore's own local implementations, as when neither TE nor Apex is
-   installed.
+   (CUDA) Adam and SGD and TE's multi-tensor kernels for the grad norm, clipping and main-param
+   copies: on CPU, torch's Adam and SGD and mcore's own local implementations, as when neither
+   TE nor Apex is installed.
 Torch function modes are not active inside autograd's backward; none of the above is needed
 there (checked by tests/test_cpu_compat.py).
 """
@@ -159,6 +159,7 @@ class CpuCompat:
         from megatron.core.optimizer import optimizer  # the module, not the package
         # (10)
         self._replace(package, "USING_PYTORCH_OPTIMIZER", True)
+        self._replace(package, "SGD", torch.optim.SGD)  # Adam follows the flag; SGD is the name
         self._replace(distrib_optimizer, "HAVE_APEX_OR_TE", False)
         for module in (clip_grads, optimizer):
             self._replace(module, "multi_tensor_applier", utils.local_multi_tensor_applier)
