@@ -11,9 +11,13 @@ sharded follows the base layer, so no rank ever holds a full base-sized product:
         h = A x is partial: all-reduce it (sequence parallel: reduce-scatter over the sequence,
         and B's gradient is summed over TP like A's above)
 
-MoE experts (the local SequentialMLP: mlp.experts.local_experts.<e>.linear_fc1/linear_fc2) get
-one A/B per expert, living on the expert's EP rank and named by the global expert index (so
-checkpoints reshard across EP). Their linears do no communication themselves (the token
+MoE experts get one A/B per expert, living on the expert's EP rank and named by the global
+expert index as mlp.experts.local_experts.<e>.linear_fc1/linear_fc2 (so checkpoints reshard
+across EP and load into either expert implementation): the local SequentialMLP hooks each
+expert's linear; Transformer Engine's grouped GEMM (TEGroupedMLP: one linear over all local
+experts, weight<e> each, tokens in expert order with per-expert counts m_splits) takes one hook
+that splits its input by m_splits and runs each expert's adapter on its rows
+(model/lora_grouped.py). Their linears do no communication themselves (the token
 dispatcher does), so neither does their adapter; they are marked like mcore's expert weights
 (`allreduce = False`: gradients reduced over the expert-data-parallel group).
 
@@ -36,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import mappings
+
+from lightning_mcore.model.lora_grouped import expert_weights, grouped_hook, is_grouped_linear
 
 # mcore module name -> (parallel kind, the HF names it fuses)
 TARGETS = {
@@ -239,8 +245,13 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
                 if ".experts." in f".{path}.":
                     if not adapt_experts:
                         continue  # experts=False: the dense and shared-expert MLPs only
-                    _check_local_experts(path, module, lora)
+                    _check_experts(path, module, lora)
+                    if is_grouped_linear(module):
+                        attach_grouped(adapters, layer.layer_number, path, module, lora, seed)
+                        continue
                 _attach(adapters, layer.layer_number, path, module, lora, seed)
+            if adapt_experts:
+                _refuse_unadapted_experts(layer, adapters)
         chunk.add_module("lora", adapters)
     if lora.experts and chunks and not chunks[0].config.num_moe_experts:
         raise LoRAError("LoRA experts=True, but the model has no MoE experts; leave experts unset.")
@@ -252,22 +263,32 @@ def adapts_experts(lora: LoRAConfig, cfg=None) -> bool:
     return wanted and (cfg is None or bool(cfg.num_moe_experts))
 
 
-def _check_local_experts(path: str, module, lora: LoRAConfig) -> None:
-    """Expert adapters exist for the local SequentialMLP at expert-TP 1, with a rank no larger
-    than the expert's dimensions."""
-    if ".local_experts." not in path:
-        raise LoRAError(
-            f"LoRA on grouped-GEMM experts ({path}, moe_grouped_gemm) is not supported yet; "
-            f"set moe_grouped_gemm=False, or LoRAConfig(experts=False) to keep experts frozen.")
+def _check_experts(path: str, module, lora: LoRAConfig) -> None:
+    """Expert adapters exist for the local SequentialMLP and TE's grouped experts at expert-TP
+    1, with a rank no larger than the expert's dimensions."""
     if parallel_state.get_expert_tensor_parallel_world_size() > 1:
         raise LoRAError(
             "LoRA on MoE experts needs expert_tensor_parallel_size=1 for now; set it, or "
             "LoRAConfig(experts=False) to keep experts frozen.")
-    smallest = min(module.weight.shape)
+    smallest = min(expert_weights(module)[0].shape)
     if lora.rank > smallest:
         raise LoRAError(
             f"LoRA rank {lora.rank} is larger than the expert linear {path} "
-            f"({tuple(module.weight.shape)}): use rank <= {smallest}, or experts=False.")
+            f"({tuple(expert_weights(module)[0].shape)}): use rank <= {smallest}, or experts=False.")
+
+
+def _refuse_unadapted_experts(layer, adapters) -> None:
+    """An MoE layer whose experts took no adapter has experts of a kind without linear_fc1 /
+    linear_fc2 modules (mcore's legacy GroupedMLP): training would leave them frozen unasked."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if experts is None:
+        return
+    prefix = adapter_name(layer.layer_number, "mlp.experts.")
+    if not any(name.startswith(prefix) for name in adapters):
+        raise LoRAError(
+            f"LoRA cannot adapt the experts of layer {layer.layer_number - 1} "
+            f"({type(experts).__name__}): use the local SequentialMLP (moe_grouped_gemm=False) or "
+            f"Transformer Engine's grouped experts, or LoRAConfig(experts=False).")
 
 
 def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, seed: int) -> None:
@@ -294,13 +315,34 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True, prepend=True)
 
 
+def attach_grouped(adapters, layer_number: int, path: str, module, lora: LoRAConfig, seed: int) -> None:
+    """One adapter per local expert of a TE grouped linear (mlp.experts.linear_fc1 / fc2), named
+    as the SequentialMLP experts' adapters; one hook runs each on its expert's rows."""
+    head, short = path.rsplit(".", 1)
+    kind = TARGETS[short][0]
+    gated = short == "linear_fc1" and bool(getattr(module.config, "gated_linear_unit", False))
+    local_adapters = []
+    for local, weight in enumerate(expert_weights(module)):
+        out_f, in_f = weight.shape
+        adapter = LoRAAdapter(kind, in_f, out_f, lora, False, weight.dtype, weight.device, gated, expert=True)
+        adapter.local_path, adapter.weight_name = path, f"weight{local}"  # set_merged
+        name = adapter_name(layer_number, f"{head}.local_experts.{global_expert(local, module.config)}.{short}")
+        _init_a(adapter, name, in_f, seed)
+        adapters[name] = adapter
+        local_adapters.append(adapter)
+    module.register_forward_hook(grouped_hook(local_adapters), with_kwargs=True, prepend=True)
+
+
 def _global_expert_path(path: str, config) -> str:
     """'mlp.experts.local_experts.<local>.x' -> the same with the global expert index."""
     head, tail = path.split(".local_experts.", 1)
     local, rest = tail.split(".", 1)
+    return f"{head}.local_experts.{global_expert(int(local), config)}.{rest}"
+
+
+def global_expert(local: int, config) -> int:
     per_rank = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
-    index = parallel_state.get_expert_model_parallel_rank() * per_rank + int(local)
-    return f"{head}.local_experts.{index}.{rest}"
+    return parallel_state.get_expert_model_parallel_rank() * per_rank + local
 
 
 def expert_index(name: str) -> Optional[int]:
@@ -356,7 +398,8 @@ def set_merged(chunks, merged: bool) -> None:
         if adapter.merged == merged:
             continue
         layer_index, _ = _split(name)
-        weight = _base_module(model, layer_index, adapter.local_path).weight
+        base = _base_module(model, layer_index, adapter.local_path)
+        weight = getattr(base, getattr(adapter, "weight_name", "weight"))  # grouped: weight<e>
         if merged:
             adapter.original = weight.detach().to("cpu", copy=True)
             weight.copy_((weight.float() + adapter.delta()).to(weight.dtype))
