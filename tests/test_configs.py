@@ -232,6 +232,20 @@ def test_qwen3_30b_a3b_sft(tmp_path, hf_stubs):
     assert tf.num_moe_experts == 128 and tf.moe_aux_loss_coeff > 0
 
 
+def test_qwen3_30b_a3b_sft_lora(tmp_path, hf_stubs):
+    from lightning_mcore.model.lora import adapts_experts
+
+    cli = hf_cli("qwen3_30b_a3b_sft_lora.yaml", tmp_path, hf_stubs, None)
+    mc, s, lora = cli.model.model_config, cli.trainer.strategy, cli.model.lora
+    p = s.parallel
+    assert (mc.num_layers, mc.num_moe_experts, mc.moe_router_topk, mc.moe_ffn_hidden_size) == (48, 128, 8, 768)
+    assert (lora.rank, lora.alpha, lora.target_modules) == (8, 32, "all-linear") and adapts_experts(lora, mc)
+    assert (p.expert_model_parallel_size, p.expert_tensor_parallel_size, s.num_processes) == (2, 1, 2)
+    assert mc.moe_grouped_gemm and mc.moe_token_dispatcher_type == "alltoall"
+    assert mc.recompute_granularity == "full" and cli.datamodule.hparams.packing
+    assert callback(cli, "HFExport").mode == "peft"
+
+
 def test_llama3_8b_dpo_lora(tmp_path, hf_stubs):
     cli = hf_cli("llama3_8b_dpo_lora.yaml", tmp_path, hf_stubs, None)
     from lightning_mcore import DPOModule
