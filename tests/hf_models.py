@@ -75,11 +75,12 @@ def hf_config_dict(name: str) -> dict:
     return config_cls(**{**COMMON, **extra}, architectures=[model_cls.__name__]).to_dict()
 
 
-def make_hf_model(name: str, directory: Path, seed: int = 0):
-    """Save a tiny random model of family `name` in `directory`; return the transformers model."""
+def make_hf_model(name: str, directory: Path, seed: int = 0, **overrides):
+    """Save a tiny random model of family `name` (config fields `overrides` changed) in
+    `directory`; return the transformers model."""
     config_cls, model_cls, extra = FAMILIES[name]()
     torch.manual_seed(seed)
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(config).eval()
     with torch.no_grad():  # random non-trivial norms and biases, so mapping mistakes show
         for n, p in model.named_parameters():

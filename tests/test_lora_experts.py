@@ -1,4 +1,4 @@
-"""Acceptance (issue 19, CPU part): LoRA on the routed experts of a tiny Qwen3-MoE (4 experts,
+"""Acceptance (issue 19, CPU part): LoRA on the routed experts of a tiny Qwen3-MoE (8 experts,
 top-2; the local SequentialMLP). Each expert has its own A/B on its EP rank: EP=1, EP=2 and
 EP=2 x TP=2 + SP (expert-TP 1) train alike; the base weights stay bit for bit; the trainable
 count follows the formula; the merged export equals peft's merge_and_unload, and the PEFT
@@ -41,7 +41,7 @@ def trainable(hf, r: int) -> int:
 @pytest.mark.distributed
 def test_expert_lora_trains_alike_at_ep1_ep2_and_ep2_tp2(tmp_path):
     source = tmp_path / "source"
-    make_hf_model("qwen3_moe", source)
+    make_hf_model("qwen3_moe", source, num_experts=8)
     # Experts only (HF names), so that every change of the loss is theirs; the dense optimizer
     # is then mcore's stub.
     lora = {"lora": LoRAConfig(target_modules=["gate_proj", "up_proj", "down_proj"], rank=4, alpha=8.0)}
@@ -50,7 +50,7 @@ def test_expert_lora_trains_alike_at_ep1_ep2_and_ep2_tp2(tmp_path):
     for name, (devices, parallel) in {"ep1": (1, {}), **LAYOUTS}.items():
         runs[name] = fit(tmp_path, devices=devices, steps=3, gbs=4, mbs=1, config=str(source),
                          optim=optim, module_kwargs=lora, name=name,
-                         dataset=TokenRows(n=12, seq=16, vocab=200), **parallel)
+                         dataset=TokenRows(n=4, seq=16, vocab=200), **parallel)  # one batch, repeated
     assert runs["ep1"][0] - runs["ep1"][-1] > 1e-2, runs["ep1"]
     for name in LAYOUTS:
         for got, want in zip(runs[name], runs["ep1"]):
@@ -62,7 +62,7 @@ def test_expert_lora_at_ep2_exports_merged_like_peft_merge_and_unload(tmp_path):
     from peft import PeftModel
 
     source = tmp_path / "source"
-    hf = make_hf_model("qwen3_moe", source)
+    hf = make_hf_model("qwen3_moe", source, num_experts=8)
     lora = LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
@@ -81,7 +81,7 @@ def test_expert_lora_at_ep2_exports_merged_like_peft_merge_and_unload(tmp_path):
     adapter = tensors(tmp_path / "peft")
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-    assert adapter["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (4 * 4, 64)
+    assert adapter["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (8 * 4, 64)  # experts x rank
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
     assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
     merged_ref = peft_model.merge_and_unload().state_dict()
@@ -100,7 +100,7 @@ def test_expert_lora_config_errors_are_clear():
 @pytest.mark.distributed
 def test_expert_rank_larger_than_the_expert_is_refused(tmp_path):
     source = tmp_path / "source"
-    make_hf_model("qwen3_moe", source)  # experts 32 wide
+    make_hf_model("qwen3_moe", source, num_experts=8)  # experts 32 wide
     with pytest.raises(Exception, match="LoRA rank 48 is larger than the expert linear"):
         fit(tmp_path, devices=1, steps=1, gbs=2, mbs=1, config=str(source),
             dataset=TokenRows(n=4, seq=16, vocab=200),
