@@ -79,10 +79,43 @@ def _model_state(model) -> dict:
 def sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
     state = model_sharded_state_dict(chunks)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            dict(state), is_loading=is_loading, metadata=OPTIM_METADATA
-        )
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(state), is_loading)
     return state
+
+
+def _stubs(optimizer) -> list[bool]:
+    """Which parts of mcore's optimizer chain are stubs (no parameters, no torch optimizer:
+    the dense part when LoRA adapts MoE experts only). mcore 0.16's ChainedOptimizer cannot
+    save or load a chain with one (its step sync and the stub's state_dict read the missing
+    torch optimizer)."""
+    return [getattr(o, "is_stub_optimizer", False) for o in getattr(optimizer, "chained_optimizers", [])]
+
+
+def optimizer_sharded_state_dict(optimizer, model_state: dict, is_loading: bool) -> dict:
+    """mcore's optimizer sharded state dict; a chain with stubs: its other parts under the
+    keys mcore gives them (`chained_<index>.`), the stubs left out."""
+    stubs = _stubs(optimizer)
+    if not any(stubs):
+        return optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIM_METADATA)
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+    out = {}
+    for index, (part, stub) in enumerate(zip(optimizer.chained_optimizers, stubs)):
+        if not stub:
+            out[index] = part.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIM_METADATA)
+            add_prefix_for_sharding(out[index], f"chained_{index}.")
+    return out
+
+
+def load_optimizer_state_dict(optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`; a chain with stubs: each other part its own state."""
+    stubs = _stubs(optimizer)
+    if not any(stubs):
+        optimizer.load_state_dict(state)
+        return
+    for index, (part, stub) in enumerate(zip(optimizer.chained_optimizers, stubs)):
+        if not stub:
+            part.load_state_dict(state[index])
 
 
 def rng_state() -> dict:
@@ -313,9 +346,9 @@ def load_optimizer(path: Path, chunks, optimizer) -> None:
             "asserts on Adam's 'step'). Resume with use_distributed_optimizer=False, or weights only."
         )
     model_state = model_sharded_state_dict(chunks)
-    state = {"optimizer": optimizer.sharded_state_dict(model_state, is_loading=True, metadata=OPTIM_METADATA)}
+    state = {"optimizer": optimizer_sharded_state_dict(optimizer, model_state, is_loading=True)}
     loaded = _load_sharded(state, path)
-    optimizer.load_state_dict(loaded["optimizer"])
+    load_optimizer_state_dict(optimizer, loaded["optimizer"])
 
 
 def load_rng(path: Path, rank: int) -> None:
