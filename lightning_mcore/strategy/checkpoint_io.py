@@ -302,6 +302,44 @@ def read_common(path: Path, model_config, tensor_parallel_size: int = 1) -> dict
     return common
 
 
+def read_resumed(path: Path, model_config, tensor_parallel_size: int, lora) -> dict:
+    """`read_common` for a run that resumes `path`, whose adapters must be the checkpoint's."""
+    common = read_common(path, model_config, tensor_parallel_size)
+    check_resumed_lora(path, common.get("megatron", {}).get("lora"), lora, model_config)
+    return common
+
+
+def check_resumed_lora(path, saved, lora, model_config) -> None:
+    """Refuse a resume whose LoRA config (`lora`) builds other adapters than the checkpoint's
+    (`saved`, its recorded fields): they would miss from it or go untrained. A checkpoint from
+    before expert adapters recorded no `experts`: its experts stayed frozen (experts=False)."""
+    from lightning_mcore.model.lora import adapts_experts, resolve_targets, saved_lora
+
+    if (saved is None) != (lora is None):
+        raise CheckpointLoadError(
+            f"ckpt_path {path} was saved {'without' if saved is None else 'with'} LoRA, this run has "
+            f"lora={'None' if lora is None else 'set'}: resume with the checkpoint's lora setting (to "
+            f"start a new LoRA run from its weights, give the checkpoint as the model instead).")
+    if lora is None:
+        return
+    old = saved_lora(saved)
+    differ = [f"{k}: checkpoint {getattr(old, k)!r} vs run {getattr(lora, k)!r}"
+              for k in ("rank", "alpha", "use_rslora") if getattr(old, k) != getattr(lora, k)]
+    if resolve_targets(old.target_modules) != resolve_targets(lora.target_modules):
+        differ.append(f"target_modules: checkpoint {old.target_modules!r} vs run {lora.target_modules!r}")
+    if adapts_experts(old, model_config) != adapts_experts(lora, model_config):
+        recorded = repr(saved["experts"]) if "experts" in saved else \
+            "unset (saved before expert adapters existed: experts=False)"
+        differ.append(f"experts: checkpoint {recorded}, the MoE experts "
+                      f"{'adapted' if old.experts is not False else 'frozen'}, vs run {lora.experts!r}")
+    if differ:
+        raise CheckpointLoadError(
+            f"ckpt_path {path} holds LoRA adapters of another LoRA config: " + "; ".join(differ) +
+            f". Resume with the checkpoint's settings" +
+            (" (LoRAConfig experts=False)" if old.experts is False and lora.experts is not False else "") +
+            ", or start a new run.")
+
+
 def _load_sharded(state: dict, path: Path) -> dict:
     """dist_checkpointing.load, with a damaged shard (every rank learns of any rank's failure)
     reported as a CheckpointLoadError naming the checkpoint."""
