@@ -147,7 +147,8 @@ class MegatronCLI(LightningCLI):
         if _is_path(path):
             tp = strategy.parallel.tensor_model_parallel_size
             self._read_checkpoint(f"ckpt_path={path}", Path(path),
-                                  lambda p: checkpoint_io.read_common(p, module.model_config, tp))
+                                  lambda p: checkpoint_io.read_resumed(p, module.model_config, tp,
+                                                                       getattr(module, "lora", None)))
         self._check_export_targets()
 
     def _check_seq_length(self, module: MegatronModule) -> None:

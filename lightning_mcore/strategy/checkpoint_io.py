@@ -79,10 +79,43 @@ def _model_state(model) -> dict:
 def sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
     state = model_sharded_state_dict(chunks)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            dict(state), is_loading=is_loading, metadata=OPTIM_METADATA
-        )
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, dict(state), is_loading)
     return state
+
+
+def _stubs(optimizer) -> list[bool]:
+    """Which parts of mcore's optimizer chain are stubs (no parameters, no torch optimizer:
+    the dense part when LoRA adapts MoE experts only). mcore 0.16's ChainedOptimizer cannot
+    save or load a chain with one (its step sync and the stub's state_dict read the missing
+    torch optimizer)."""
+    return [getattr(o, "is_stub_optimizer", False) for o in getattr(optimizer, "chained_optimizers", [])]
+
+
+def optimizer_sharded_state_dict(optimizer, model_state: dict, is_loading: bool) -> dict:
+    """mcore's optimizer sharded state dict; a chain with stubs: its other parts under the
+    keys mcore gives them (`chained_<index>.`), the stubs left out."""
+    stubs = _stubs(optimizer)
+    if not any(stubs):
+        return optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIM_METADATA)
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+    out = {}
+    for index, (part, stub) in enumerate(zip(optimizer.chained_optimizers, stubs)):
+        if not stub:
+            out[index] = part.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIM_METADATA)
+            add_prefix_for_sharding(out[index], f"chained_{index}.")
+    return out
+
+
+def load_optimizer_state_dict(optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`; a chain with stubs: each other part its own state."""
+    stubs = _stubs(optimizer)
+    if not any(stubs):
+        optimizer.load_state_dict(state)
+        return
+    for index, (part, stub) in enumerate(zip(optimizer.chained_optimizers, stubs)):
+        if not stub:
+            part.load_state_dict(state[index])
 
 
 def rng_state() -> dict:
@@ -269,6 +302,44 @@ def read_common(path: Path, model_config, tensor_parallel_size: int = 1) -> dict
     return common
 
 
+def read_resumed(path: Path, model_config, tensor_parallel_size: int, lora) -> dict:
+    """`read_common` for a run that resumes `path`, whose adapters must be the checkpoint's."""
+    common = read_common(path, model_config, tensor_parallel_size)
+    check_resumed_lora(path, common.get("megatron", {}).get("lora"), lora, model_config)
+    return common
+
+
+def check_resumed_lora(path, saved, lora, model_config) -> None:
+    """Refuse a resume whose LoRA config (`lora`) builds other adapters than the checkpoint's
+    (`saved`, its recorded fields): they would miss from it or go untrained. A checkpoint from
+    before expert adapters recorded no `experts`: its experts stayed frozen (experts=False)."""
+    from lightning_mcore.model.lora import adapts_experts, resolve_targets, saved_lora
+
+    if (saved is None) != (lora is None):
+        raise CheckpointLoadError(
+            f"ckpt_path {path} was saved {'without' if saved is None else 'with'} LoRA, this run has "
+            f"lora={'None' if lora is None else 'set'}: resume with the checkpoint's lora setting (to "
+            f"start a new LoRA run from its weights, give the checkpoint as the model instead).")
+    if lora is None:
+        return
+    old = saved_lora(saved)
+    differ = [f"{k}: checkpoint {getattr(old, k)!r} vs run {getattr(lora, k)!r}"
+              for k in ("rank", "alpha", "use_rslora") if getattr(old, k) != getattr(lora, k)]
+    if resolve_targets(old.target_modules) != resolve_targets(lora.target_modules):
+        differ.append(f"target_modules: checkpoint {old.target_modules!r} vs run {lora.target_modules!r}")
+    if adapts_experts(old, model_config) != adapts_experts(lora, model_config):
+        recorded = repr(saved["experts"]) if "experts" in saved else \
+            "unset (saved before expert adapters existed: experts=False)"
+        differ.append(f"experts: checkpoint {recorded}, the MoE experts "
+                      f"{'adapted' if old.experts is not False else 'frozen'}, vs run {lora.experts!r}")
+    if differ:
+        raise CheckpointLoadError(
+            f"ckpt_path {path} holds LoRA adapters of another LoRA config: " + "; ".join(differ) +
+            f". Resume with the checkpoint's settings" +
+            (" (LoRAConfig experts=False)" if old.experts is False and lora.experts is not False else "") +
+            ", or start a new run.")
+
+
 def _load_sharded(state: dict, path: Path) -> dict:
     """dist_checkpointing.load, with a damaged shard (every rank learns of any rank's failure)
     reported as a CheckpointLoadError naming the checkpoint."""
@@ -313,9 +384,9 @@ def load_optimizer(path: Path, chunks, optimizer) -> None:
             "asserts on Adam's 'step'). Resume with use_distributed_optimizer=False, or weights only."
         )
     model_state = model_sharded_state_dict(chunks)
-    state = {"optimizer": optimizer.sharded_state_dict(model_state, is_loading=True, metadata=OPTIM_METADATA)}
+    state = {"optimizer": optimizer_sharded_state_dict(optimizer, model_state, is_loading=True)}
     loaded = _load_sharded(state, path)
-    optimizer.load_state_dict(loaded["optimizer"])
+    load_optimizer_state_dict(optimizer, loaded["optimizer"])
 
 
 def load_rng(path: Path, rank: int) -> None:

@@ -527,8 +527,10 @@ class MegatronStrategy(DDPStrategy):
         from lightning_mcore.strategy import checkpoint_io
 
         self._loading_path = Path(checkpoint_path)
-        common = checkpoint_io.read_common(self._loading_path, self.lightning_module.model_config,
-                                           self.parallel.tensor_model_parallel_size)
+        module = self.lightning_module
+        common = checkpoint_io.read_resumed(self._loading_path, module.model_config,
+                                            self.parallel.tensor_model_parallel_size,
+                                            getattr(module, "lora", None))
         return {**common, "state_dict": {}, "optimizer_states": [{}]}
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
