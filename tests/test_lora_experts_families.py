@@ -32,6 +32,15 @@ def routed_only(name: str):
     return lambda: (config_cls, model_cls, dict(extra, **ROUTED_ONLY))
 
 
+def drop_empty_tensors(directory) -> None:
+    """transformers saves the width-0 shared experts of n_shared_experts=0; our loader refuses
+    tensors the model has no place for."""
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    save_file({k: v for k, v in load_file(path).items() if v.numel()}, path, metadata={"format": "pt"})
+
+
 def fit_at_ep2(source, lora: LoRAConfig, out) -> None:
     """Three SGD steps at EP=2 (two fork-launched CPU ranks); Probe writes to `out`."""
     trainer = L.Trainer(
@@ -44,13 +53,6 @@ def fit_at_ep2(source, lora: LoRAConfig, out) -> None:
     trainer.fit(module, DataLoader(TokenRows(n=12, seq=16, vocab=200), batch_size=2))
 
 
-def zero_expert_adapters(model) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".experts." in name and "lora_B" in name:
-                p.zero_()
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2"])
 def test_expert_lora_at_ep2_exports_as_peft_loads_it(family, tmp_path, monkeypatch):
@@ -61,6 +63,7 @@ def test_expert_lora_at_ep2_exports_as_peft_loads_it(family, tmp_path, monkeypat
         family += "_routed"
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
+    drop_empty_tensors(source)
     fit_at_ep2(source, LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0), tmp_path)
 
     assert json.loads((tmp_path / "facts.json").read_text())["base_unchanged"]
@@ -76,24 +79,22 @@ def test_expert_lora_at_ep2_exports_as_peft_loads_it(family, tmp_path, monkeypat
         assert adapter[stem + "base_layer.lora_A.weight"].shape == (e * r, h)
         assert adapter[stem + "lora_B.weight"].shape == (h, r * e)
 
-    def load():
-        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft").eval()
-
-    peft_model = load()
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
     loaded = get_peft_model_state_dict(peft_model)
     assert loaded.keys() == adapter.keys()  # nothing dropped, renamed or left at its init
     for name, tensor in adapter.items():
         assert torch.equal(loaded[name], tensor), name
-    assert (hf_logits(peft_model, TOKENS) - mcore).abs().max().item() <= 1e-4
+    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
     merged_ref = peft_model.merge_and_unload().state_dict()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
     assert merged.keys() == merged_ref.keys()
     for name, tensor in merged_ref.items():
         torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
 
-    without_experts = load()  # the expert adapters matter to the logits compared above
-    zero_expert_adapters(without_experts)
-    assert (hf_logits(without_experts, TOKENS) - mcore).abs().max().item() > 1e-3
+    base = hf.state_dict()  # the expert adapters move the expert weights well past 1e-6
+    for name in merged_ref:
+        if ".mlp.experts." in name:
+            assert (merged_ref[name] - base[name]).abs().max() > 1e-5, name
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
