@@ -44,10 +44,18 @@ class FusedExperts:
     """How transformers 5 holds a family's routed experts in memory (on disk they stay per
     expert): one module per layer (`module`, with {L}) whose 3-D parameters [experts, out, in]
     (`params`, in declaration order) each stack per-expert HF tensors along out, e.g.
-    gate_up_proj = [gate_proj; up_proj]. peft adapts them through `target_parameters`."""
+    gate_up_proj = [gate_proj; up_proj]. peft adapts them through `target_parameters`.
+    `per_expert` (with {L}): where the per-expert tensors live on disk when that is not under
+    `module` (a block transformers renames on load), e.g. "model.layers.{L}.moe.experts"."""
 
     module: str
     params: tuple[tuple[str, tuple[str, ...]], ...]
+    per_expert: Optional[str] = None
+
+    @property
+    def source(self) -> str:
+        """The HF prefix of expert {E}'s per-expert tensors, without the expert index."""
+        return self.per_expert or self.module
 
 
 # TE layer spec fuses the norms into the following linear; its names map to the local spec's.

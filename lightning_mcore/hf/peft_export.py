@@ -86,7 +86,8 @@ def fuse_experts(tensors: dict, layout: FusedExperts, num_experts: int) -> tuple
     doc); the others pass through. Also the target_parameters (peft's sorted order)."""
     out = {k: v for k, v in tensors.items()}
     prefix = "base_model.model." + layout.module
-    pattern = re.compile(re.escape(prefix).replace(r"\{L\}", r"(?P<L>\d+)")
+    source = "base_model.model." + layout.source
+    pattern = re.compile(re.escape(source).replace(r"\{L\}", r"(?P<L>\d+)")
                          + r"\.(?P<E>\d+)\.(?P<n>[^.]+)\.lora_(?P<ab>[AB])\.weight$")
     found: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
     for key in tensors:

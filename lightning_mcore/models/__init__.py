@@ -149,6 +149,14 @@ def refuse_peft_export(cfg: GPTConfig, family: Optional[str], lora) -> None:
                 f"a PEFT export of LoRA on the routed experts of {arch.hf_class} models is not "
                 f"supported yet. Export it merged (mode='merged', `lightning-mcore export --mode "
                 f"merged`), or keep experts frozen (LoRAConfig experts=False).")
+        if arch.peft_misreads_mlp and _has_unrouted_mlp(cfg):
+            raise HFCheckpointError(
+                f"a PEFT export of LoRA on the routed experts of {arch.hf_class} models with dense "
+                f"layers or shared experts would load wrong: peft (transformers 5) turns their "
+                f"gate/up/down_proj targets into the fused experts' target_parameters (doubling "
+                f"gate_up_proj's rank) and drops the dense/shared MLP adapters. Export it merged "
+                f"(mode='merged', `lightning-mcore export --mode merged`), or keep experts frozen "
+                f"(LoRAConfig experts=False) and adapt attention only.")
         if lora.dropout:
             raise HFCheckpointError(
                 f"peft cannot load LoRA dropout={lora.dropout} on fused expert parameters "
@@ -160,6 +168,12 @@ def refuse_peft_export(cfg: GPTConfig, family: Optional[str], lora) -> None:
             f"a PEFT export of LoRA on {', '.join(mlp)} would load wrong: peft takes the MLP "
             f"targets of {arch.hf_class} models for their routed experts. Export it merged "
             f"(mode='merged', `lightning-mcore export --mode merged`), or adapt attention only.")
+
+
+def _has_unrouted_mlp(cfg: GPTConfig) -> bool:
+    """Whether the model has MLPs besides its routed experts (dense layers, shared experts)."""
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    return dense or bool(cfg.moe_shared_expert_intermediate_size)
 
 
 def peft_experts(cfg: GPTConfig, family: Optional[str]):

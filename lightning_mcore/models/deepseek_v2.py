@@ -16,7 +16,7 @@ The MLA weight table (one tensor-parallel layout for the local and TE specs, mod
 from __future__ import annotations
 
 from lightning_mcore.hf.config import HFCheckpointError
-from lightning_mcore.hf.mappings import Entry
+from lightning_mcore.hf.mappings import Entry, FusedExperts
 from lightning_mcore.hf.transforms import RopeRows, Split, Transform
 from lightning_mcore.model.config import GPTConfig, MLAConfig
 from lightning_mcore.model.mla import MLA_ROPE_TYPES, mla_config_kwargs
@@ -34,6 +34,11 @@ class DeepseekV2(Architecture):
                 "num_experts_per_tok") + MLA_FIELDS
     scratch_order = 60
     peft_misreads_mlp = True
+    # transformers 5: DeepseekV2Experts / DeepseekV3Experts.gate_up_proj [E, 2f, h], down_proj
+    # [E, h, f]. Usable only when every MLP is routed (peft_misreads_mlp: no dense layers and
+    # no shared experts), see models.refuse_peft_export.
+    peft_experts = FusedExperts("model.layers.{L}.mlp.experts",
+                                (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))
     # The router as the original model code names it; transformers computes only these.
     scoring, topk_method = "softmax", "greedy"
 

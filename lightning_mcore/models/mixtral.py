@@ -6,6 +6,7 @@ block_sparse_moe.experts.{E}.w1 (gate), w3 (up), w2 (down) and the router block_
 from __future__ import annotations
 
 from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.hf.mappings import FusedExperts
 from lightning_mcore.models import parts
 from lightning_mcore.models.architecture import Architecture
 
@@ -15,6 +16,11 @@ class Mixtral(Architecture):
     # transformers' defaults (8 kv heads, 8 experts, 14336) are Mixtral-8x7B's, not ours.
     required = ("intermediate_size", "num_key_value_heads", "num_local_experts",
                 "num_experts_per_tok")
+    # transformers 5 renames block_sparse_moe to mlp on load and fuses the experts:
+    # MixtralExperts.gate_up_proj [E, 2f, h] = [w1; w3], down_proj [E, h, f] = w2.
+    peft_experts = FusedExperts("model.layers.{L}.mlp.experts",
+                                (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))),
+                                per_expert="model.layers.{L}.block_sparse_moe.experts")
 
     def gpt_config(self, hf):
         if hf.get("router_jitter_noise", 0.0):

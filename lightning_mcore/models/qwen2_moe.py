@@ -8,6 +8,7 @@ rhythm, are dense MLPs of intermediate_size."""
 from __future__ import annotations
 
 from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.hf.mappings import FusedExperts
 from lightning_mcore.models import parts
 from lightning_mcore.models.architecture import Architecture
 
@@ -16,6 +17,11 @@ class Qwen2Moe(Architecture):
     hf_class, model_type, config_class = "Qwen2MoeForCausalLM", "qwen2_moe", "Qwen2MoeConfig"
     required = ("intermediate_size", "num_key_value_heads", "num_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "shared_expert_intermediate_size")
+    # transformers 5: Qwen2MoeExperts.gate_up_proj [E, 2f, h], down_proj [E, h, f]. peft
+    # converts no targets of this model type, so the shared expert's and dense layers'
+    # gate/up/down_proj adapters load as the plain linears they are.
+    peft_experts = FusedExperts("model.layers.{L}.mlp.experts",
+                                (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))
 
     def gpt_config(self, hf):
         if hf.get("use_sliding_window"):
