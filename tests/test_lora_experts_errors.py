@@ -134,9 +134,14 @@ def moe_run(tmp_path_factory):
 
 
 def export(run, name: str, *args: str):
+    """`lightning-mcore export` of the run's checkpoint to run/name, in this process."""
     out = run / name
     main(["export", "--checkpoint", str(run / "ckpt" / "final.ckpt"), "--output", str(out), *args])
-    return load_file(out / "adapter_model.safetensors") if "peft" in args else out, out
+    return out
+
+
+def adapter(directory) -> dict:
+    return load_file(directory / "adapter_model.safetensors")
 
 
 def per_expert_shapes(layers=4, experts=4, h=64, f=32) -> dict:
@@ -152,9 +157,10 @@ def per_expert_shapes(layers=4, experts=4, h=64, f=32) -> dict:
 
 
 def test_per_expert_export_names_shapes_and_values(moe_run):
-    per, out = export(moe_run, "per_expert", "--mode", "peft", "--lora_experts_layout", "per_expert")
-    fused, _ = export(moe_run, "fused", "--mode", "peft")  # the default layout
-    merged, _ = export(moe_run, "merged", "--mode", "merged")
+    out = export(moe_run, "per_expert", "--mode", "peft", "--lora_experts_layout", "per_expert")
+    per = adapter(out)
+    fused = adapter(export(moe_run, "fused", "--mode", "peft"))  # the default layout
+    merged = export(moe_run, "merged", "--mode", "merged")
 
     experts = {k: tuple(v.shape) for k, v in per.items() if ".mlp." in k}
     assert experts == per_expert_shapes()
@@ -185,9 +191,7 @@ def test_per_expert_export_names_shapes_and_values(moe_run):
     base = load_file(moe_run / "source" / "model.safetensors")
     weights = {k: v for f in merged.glob("*.safetensors") for k, v in load_file(f).items()}
     changed = 0
-    for key, (_, _) in per_expert_shapes().items():
-        if not key.endswith("lora_A.weight"):
-            continue
+    for key in (k for k in per_expert_shapes() if k.endswith("lora_A.weight")):
         stem = key.removesuffix(".lora_A.weight")
         name = stem.removeprefix("base_model.model.") + ".weight"
         delta = ALPHA / R * per[stem + ".lora_B.weight"] @ per[key]
