@@ -28,6 +28,7 @@ from typing import Any, NoReturn, Optional
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_mcore.model.lora_checks import LoRAPlanError
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.refusals import deliberate, report_refusals, traceback_frames
 from lightning_mcore.strategy.parallel import LayoutError
@@ -75,6 +76,9 @@ class MegatronCLI(LightningCLI):
                 strategy.validate_module(self.model)
             except LayoutError as error:
                 self._layout_error(error)
+            except LoRAPlanError as error:
+                keys = [f"model.init_args.lora.{f}={getattr(self.model.lora, f)}" for f in error.lora]
+                self._error(f"invalid LoRA setting ({', '.join(keys + self._layout_keys(error))}): {error}", error)
 
     def _check_export_targets(self) -> None:
         """A fresh `fit` whose HFExport would meet an earlier export stops here, not after its

@@ -5,6 +5,8 @@ model is rebuilt in this process as one unsharded stage on CPU (gloo, world size
 dist_checkpointing reshards whatever layout the checkpoint was saved with into it.
 
     lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out
+    lightning-mcore export --checkpoint runs/x/last.ckpt --output adapter --mode peft \
+        --lora_experts_layout per_expert
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def export_checkpoint(
     mode: Literal["merged", "peft"] = "merged",
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
+    lora_experts_layout: Optional[Literal["fused", "per_expert"]] = None,
 ) -> Path:
     """Write the model of a MegatronStrategy checkpoint as a Hugging Face directory.
 
@@ -61,14 +64,18 @@ def export_checkpoint(
         max_shard_bytes: size limit of each ``model-0000N-of-0000M.safetensors`` shard.
         overwrite: replace an earlier lightning-mcore export at ``output``; anything else
             there (other files, the checkpoint itself) is never replaced.
+        lora_experts_layout: with mode "peft", how LoRA adapters on MoE routed experts are
+            written: "fused" (default; peft's target_parameters on transformers 5's fused 3-D
+            experts, what PeftModel.from_pretrained loads) or "per_expert" (one lora_A/lora_B per
+            expert linear, ...mlp.experts.<e>.gate_proj.lora_A.weight: the names vLLM loads).
     """
     from lightning_mcore import models
     from lightning_mcore.hf.export import export_hf
     from lightning_mcore.hf.export_dir import check_target
-    from lightning_mcore.hf.peft_export import export_peft
+    from lightning_mcore.hf.peft_export import experts_layout, export_peft
     from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
-    from lightning_mcore.model.lora import apply_lora, saved_lora, set_merged
+    from lightning_mcore.model.lora import adapts_experts, apply_lora, saved_lora, set_merged
     from lightning_mcore.strategy import checkpoint_io
     from lightning_mcore.strategy.cpu import cuda_on_cpu
     from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights
@@ -87,8 +94,11 @@ def export_checkpoint(
         )
     protected = [checkpoint, source, saved.hf_path, saved.init_checkpoint]
     weights = models.weights(saved.config, saved.hf_family)
+    fused = models.peft_experts(saved.config, saved.hf_family)
+    layout = experts_layout(lora_experts_layout, mode,
+                            bool(saved.lora) and adapts_experts(saved_lora(saved.lora), saved.config), fused)
     if mode == "peft":
-        models.refuse_peft_export(saved.config, saved.hf_family, saved_lora(saved.lora))
+        models.refuse_peft_export(saved.config, saved.hf_family, saved_lora(saved.lora), layout)
     check_target(output, overwrite, protected)  # before any work; export_* check it again
     with single_process_megatron(), cuda_on_cpu():
         tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,
@@ -103,7 +113,7 @@ def export_checkpoint(
             export_peft(chunks, saved.config, weights, saved_lora(saved.lora), output,
                         base_model=saved.hf_path, overwrite=overwrite, protected=protected,
                         tokenizer_dir=source or saved.tokenizer_path,
-                        fused_experts=models.peft_experts(saved.config, saved.hf_family))
+                        fused_experts=fused, experts=layout)
         else:
             set_merged(chunks, True)
             export_hf(chunks, saved.config, weights,
@@ -138,6 +148,7 @@ def main(args=None) -> None:
 
     from lightning_mcore.hf.config import HFCheckpointError
     from lightning_mcore.hf.export_dir import ExportTargetError
+    from lightning_mcore.hf.peft_export import PeftExportError
     from lightning_mcore.strategy.checkpoint_io import CheckpointLoadError
 
     parser = ArgumentParser(prog="lightning-mcore export", description=export_checkpoint.__doc__.split("\n")[0])
@@ -148,7 +159,7 @@ def main(args=None) -> None:
     config = parser.parse_args(args)
     try:
         written = export_checkpoint(**{k: v for k, v in vars(config).items() if k != "config"})
-    except (CheckpointLoadError, ExportTargetError, HFCheckpointError) as error:
+    except (CheckpointLoadError, ExportTargetError, HFCheckpointError, PeftExportError) as error:
         # a user mistake: one line and exit code 2, as `fit` ends on a config mistake
         print(f"lightning-mcore export: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

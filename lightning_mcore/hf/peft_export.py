@@ -36,6 +36,38 @@ from lightning_mcore.model.lora import TARGETS, adapters_of, base_path, expert_i
 EXPERT_LAYOUTS = ("fused", "per_expert")
 
 
+class PeftExportError(ValueError):
+    """A PEFT export the model cannot produce (found before anything is written)."""
+
+
+def experts_layout(layout: Optional[str], mode: str, has_expert_adapters: bool,
+                   fused: Optional[FusedExperts]) -> str:
+    """The layout of the routed experts' adapters in an export (`lora_experts_layout`): "fused"
+    (peft's target_parameters on transformers 5's 3-D experts; the default) or "per_expert"
+    (vLLM's per-expert linears). Refused where the export cannot hold it: an export other than
+    PEFT, a model without expert adapters, fused for a family with no fused layout registered."""
+    if layout is None:
+        return "fused"
+    if layout not in EXPERT_LAYOUTS:
+        raise PeftExportError(f"lora_experts_layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {layout!r}.")
+    if mode != "peft":
+        raise PeftExportError(
+            f"lora_experts_layout={layout!r} applies to PEFT exports of expert adapters; a "
+            f"{mode!r} export holds the adapters merged into the weights: leave it unset, or "
+            f"export with mode 'peft'.")
+    if not has_expert_adapters:
+        raise PeftExportError(
+            f"lora_experts_layout={layout!r}, but the model has no LoRA adapters on routed experts "
+            f"(no MoE experts, LoRA experts=False, or targets without linear_fc1/linear_fc2): "
+            f"leave it unset.")
+    if layout == "fused" and fused is None:
+        raise PeftExportError(
+            "lora_experts_layout='fused': this model family has no fused expert layout known to "
+            "peft here; use lora_experts_layout='per_expert' (per-expert names, as vLLM loads "
+            "them), or export merged.")
+    return layout
+
+
 def _gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
     from megatron.core import parallel_state
 

@@ -136,14 +136,17 @@ def export_config(cfg: GPTConfig, family: Optional[str], source_dir=None) -> Opt
     return hf_config_dict_from_gpt(cfg, _family(cfg, family).model_type)
 
 
-def refuse_peft_export(cfg: GPTConfig, family: Optional[str], lora) -> None:
-    """Refuse a PEFT export that peft would load wrong (the adapter is fine merged)."""
+def refuse_peft_export(cfg: GPTConfig, family: Optional[str], lora, experts_layout: str = "fused") -> None:
+    """Refuse a PEFT export that peft would load wrong (the adapter is fine merged).
+    `experts_layout="per_expert"`: expert adapters under per-expert names, peft's limits aside."""
     from lightning_mcore.model.lora import resolve_targets
 
     from lightning_mcore.model.lora import adapts_experts
 
     arch = _family(cfg, family)
     if adapts_experts(lora, cfg):
+        if experts_layout == "per_expert":
+            return
         if arch.peft_experts is None:
             raise HFCheckpointError(
                 f"a PEFT export of LoRA on the routed experts of {arch.hf_class} models is not "

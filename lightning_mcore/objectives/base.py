@@ -129,20 +129,26 @@ class MegatronModule(L.LightningModule):
         return chunks
 
     def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30, mode: str = "full",
-                           overwrite: bool = False):
+                           overwrite: bool = False, lora_experts_layout: Optional[str] = None):
         """Write the model as a Hugging Face directory (collective: call on every rank).
 
         `mode`: "full" (the model as trained: with LoRA, adapters merged into a copy of the
         weights), "merged" (the same, LoRA only) or "peft" (the LoRA adapter directory).
+        `lora_experts_layout` (PEFT with adapters on routed experts): "fused" (default; peft's
+        target_parameters on transformers 5's fused experts) or "per_expert" (vLLM's names).
         `directory` must be new or empty; `overwrite` replaces an earlier export (never other
         files: hf/export_dir.py)."""
         from lightning_mcore.hf.export import export_hf
-        from lightning_mcore.model.lora import set_merged
+        from lightning_mcore.hf.peft_export import experts_layout
+        from lightning_mcore.model.lora import adapts_experts, set_merged
 
         if mode not in ("full", "merged", "peft"):
             raise ValueError(f"mode must be 'full', 'merged' or 'peft', got {mode!r}.")
         if mode != "full" and self.lora is None:
             raise ValueError(f"mode={mode!r} needs LoRA adapters on the model; use mode='full'.")
+        layout = experts_layout(lora_experts_layout, mode,
+                                self.lora is not None and adapts_experts(self.lora, self.model_config),
+                                models.peft_experts(self.model_config, self.hf_family))
         strategy = self._strategy()
         strategy.refuse_nonfinite_weights(f"the HF export {directory}")
         chunks = list(self.chunks)
@@ -151,11 +157,12 @@ class MegatronModule(L.LightningModule):
         if mode == "peft":
             from lightning_mcore.hf.peft_export import export_peft
 
-            self.check_peft_export()
+            self.check_peft_export(layout)
             return export_peft(chunks, self.model_config, self._weights(), self.lora, directory,
                                base_model=self.hf_path, overwrite=overwrite, protected=protected,
                                tokenizer_dir=self.tokenizer_path,
-                               fused_experts=models.peft_experts(self.model_config, self.hf_family))
+                               fused_experts=models.peft_experts(self.model_config, self.hf_family),
+                               experts=layout)
         set_merged(chunks, True)
         try:
             return export_hf(chunks, self.model_config, self._weights(),
@@ -167,9 +174,9 @@ class MegatronModule(L.LightningModule):
         finally:
             set_merged(chunks, False)
 
-    def check_peft_export(self) -> None:
+    def check_peft_export(self, experts_layout: str = "fused") -> None:
         """Refuse, before training, a PEFT export that peft would load wrong."""
-        models.refuse_peft_export(self.model_config, self.hf_family, self.lora)
+        models.refuse_peft_export(self.model_config, self.hf_family, self.lora, experts_layout)
 
     def _weights(self):
         return models.weights(self.model_config, self.hf_family)

@@ -154,10 +154,18 @@ class MegatronStrategy(DDPStrategy):
 
     def validate_module(self, module) -> None:
         """Settle the fast-path defaults for the module's optimizer (`optim`), then run every
-        check, those on its model config (`model_config`) included. Needs no process group."""
+        check, those on its model config (`model_config`) and LoRA (`lora`) included. Needs no
+        process group."""
         optimizer = getattr(getattr(module, "optim", None), "optimizer", None)
         self.parallel = resolve_fast_path(self._requested_parallel, not self.on_cpu, optimizer)
-        self.validate(getattr(module, "model_config", None), optimizer)
+        model_config = getattr(module, "model_config", None)
+        self.validate(model_config, optimizer)
+        if getattr(module, "lora", None) is not None and model_config is not None:
+            from lightning_mcore.model.lora_checks import check_lora_plan
+
+            p = self.parallel
+            check_lora_plan(module.lora, model_config,
+                            p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
 
     def setup_environment(self) -> None:
         self.validate_module(self.lightning_module)  # still before any process group exists

@@ -1,0 +1,69 @@
+"""LoRA settings that cannot work with the model or the parallel layout, as pure functions.
+
+The strategy runs `check_lora_plan` before any process group or model exists (validate_module),
+so a mistake ends with one error naming its settings instead of a traceback from every rank.
+apply_lora (model/lora.py) keeps the same checks on the built modules, as a second line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_mcore.model.lora import LoRAConfig, LoRAError, adapts_experts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_mcore.model.config import GPTConfig
+
+
+class LoRAPlanError(LoRAError):
+    """A LoRA setting that cannot apply to this model or layout. Like strategy/parallel.py's
+    LayoutError it names the settings involved, for a front end (the CLI) to point at: `lora`
+    (LoRAConfig fields), `fields` (model config fields), `options` (MegatronStrategy arguments)."""
+
+    devices = accelerator = optimizer = False  # read by the CLI's key naming, as LayoutError's
+
+    def __init__(self, message: str, lora: tuple = (), fields: tuple = (), options: tuple = ()) -> None:
+        super().__init__(message)
+        self.lora, self.fields, self.options = tuple(lora), tuple(fields), tuple(options)
+
+
+def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", expert_tensor_parallel_size: int) -> None:
+    """Raise LoRAPlanError naming the settings and the fix; return None when `lora` applies.
+    `expert_tensor_parallel_size`: the effective one (the strategy's, or its TP size when unset)."""
+    if lora.experts and not model.num_moe_experts:
+        raise LoRAPlanError(
+            "LoRA experts=True, but the model has no MoE experts (num_moe_experts is not set): "
+            "leave lora.experts unset (or False).", lora=("experts",), fields=("num_moe_experts",))
+    if not adapts_experts(lora, model):
+        return
+    refuse_grouped_gemm_experts(model)
+    if expert_tensor_parallel_size > 1:
+        raise LoRAPlanError(
+            f"LoRA on MoE experts needs expert_tensor_parallel_size=1 for now (it is "
+            f"{expert_tensor_parallel_size}; unset, it follows tensor_model_parallel_size): set "
+            f"expert_tensor_parallel_size=1, or lora.experts=False to keep experts frozen.",
+            lora=("experts",), options=("expert_tensor_parallel_size", "tensor_model_parallel_size"))
+    check_expert_rank(lora, model)
+
+
+def check_expert_rank(lora: LoRAConfig, model: "GPTConfig") -> None:
+    """An expert adapter's rank is at most the smaller side of the expert's linears (hidden
+    size and expert FFN size): beyond that B A has no more rank to give, only parameters."""
+    ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    smallest = min(model.hidden_size, ffn)
+    if lora.rank > smallest:
+        raise LoRAPlanError(
+            f"LoRA rank {lora.rank} is larger than the expert linears (hidden_size="
+            f"{model.hidden_size}, moe_ffn_hidden_size={ffn}): use lora.rank <= {smallest}, or "
+            f"lora.experts=False to keep experts frozen.",
+            lora=("rank", "experts"), fields=("hidden_size", "moe_ffn_hidden_size"))
+
+
+def refuse_grouped_gemm_experts(model: "GPTConfig") -> None:
+    """Grouped-GEMM experts (TEGroupedMLP) have no per-expert linears for the adapters' hooks
+    yet. Delete this function (and its call) once expert adapters support them."""
+    if model.moe_grouped_gemm or model.extra.get("moe_grouped_gemm"):
+        raise LoRAPlanError(
+            "LoRA on grouped-GEMM experts (moe_grouped_gemm=True) is not supported yet: set "
+            "moe_grouped_gemm=False, or lora.experts=False to keep experts frozen.",
+            lora=("experts",), fields=("moe_grouped_gemm",))
