@@ -24,6 +24,7 @@ def single_process_megatron():
     from megatron.core import parallel_state, tensor_parallel
 
     from lightning_mcore.strategy.cpu import CpuCompat
+    from lightning_mcore.strategy.teardown import destroy_model_parallel
 
     if dist.is_initialized():
         raise RuntimeError(
@@ -39,9 +40,10 @@ def single_process_megatron():
                                                         force_reset_rng=True)
         yield
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
         dist.destroy_process_group()
         compat.uninstall()
+
 
 
 def export_checkpoint(

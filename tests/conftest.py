@@ -1,5 +1,4 @@
 import os
-from unittest import mock
 
 # Ranks are forked from this process. An OpenMP pool with >1 thread in the parent deadlocks
 # forked children (seen in torch.zeros), and Lightning raises the thread count unless
@@ -12,6 +11,7 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from process_state import leaves_no_process_state  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -27,18 +27,5 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _each_test_starts_clean():
-    """What a test leaves in this process, later tests' forked ranks would inherit:
-    - the environment: an in-process CLI call seeds (PL_GLOBAL_SEED, which Lightning's ranks
-      re-seed from) and a launch sets MASTER_PORT / WORLD_SIZE; it is restored after each test;
-    - a default process group and mcore's parallel state, left by tests that train in this very
-      process (GPU tests with one device): the next test that starts its own would fail
-      ("initialize the default process group twice"). They are torn down."""
-    with mock.patch.dict(os.environ):
+    with leaves_no_process_state():
         yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Issue 19: LoRA on MoE experts fails early and exports in either layout.
 
 Settings that cannot work (experts asked of a dense model, a rank beyond the expert's width,
-expert-TP > 1, grouped-GEMM experts) are refused by MegatronStrategy.validate_module, before any
+expert-TP > 1, grouped-GEMM experts without Transformer Engine) are refused by MegatronStrategy.validate_module, before any
 process group, and by the CLI with one `error:` line naming the keys. The PEFT export writes
 expert adapters fused (peft's target_parameters) or per expert (vLLM's names), and refuses a
 layout the model cannot hold before writing anything."""
@@ -17,10 +17,12 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from hf_models import make_hf_model
+from process_state import leaves_no_process_state
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.cli import main
 from lightning_mcore.hf.peft_export import PeftExportError, experts_layout
 from lightning_mcore.model.lora import LoRAConfig, LoRAError
+from lightning_mcore.model.lora_checks import check_lora_plan
 from test_bad_inputs import MODEL, refused, snapshot, write_config
 from toy import TokenRows
 
@@ -99,7 +101,7 @@ def test_expert_tensor_parallelism_is_refused_before_launch(capsys, tmp_path):
 
 
 @pytest.mark.usefixtures("no_fit")
-def test_grouped_gemm_experts_are_refused_before_launch(capsys, tmp_path):
+def test_grouped_gemm_experts_without_te_are_refused_before_launch(capsys, tmp_path):
     grouped = dict(MOE, moe_grouped_gemm=True)
     with pytest.raises(LoRAError, match="grouped-GEMM experts"):
         check(grouped, LoRAConfig(target_modules="all-linear"))
@@ -107,7 +109,9 @@ def test_grouped_gemm_experts_are_refused_before_launch(capsys, tmp_path):
         check(dict(MOE, extra={"moe_grouped_gemm": True}), LoRAConfig(target_modules="all-linear"))
     check(grouped, LoRAConfig(target_modules="all-linear", experts=False))
     line = refused(capsys, tmp_path, write_config(tmp_path, model=grouped, lora={}), *TP2_SP, *ETP1)
-    assert "model.init_args.model.moe_grouped_gemm=True" in line and "not supported yet" in line
+    assert "model.init_args.model.moe_grouped_gemm=True" in line and "needs Transformer Engine" in line
+    # with Transformer Engine's grouped experts (GPU) they take adapters (tests/test_gpu_lora_experts.py)
+    check_lora_plan(LoRAConfig(target_modules="all-linear"), GPTConfig(**grouped), 1, uses_te=True)
 
 
 # ------------------------------------------------------------------------ export layouts
@@ -129,7 +133,8 @@ def moe_run(tmp_path_factory):
     module = PretrainModule(str(tmp / "source"), OptimizerSettings(lr=0.5, optimizer="sgd", weight_decay=0.0,
                                                                    warmup_steps=0),
                             lora=LoRAConfig(target_modules="all-linear", rank=R, alpha=ALPHA))
-    trainer.fit(module, DataLoader(TokenRows(n=8, seq=16, vocab=200), batch_size=4))
+    with leaves_no_process_state():  # module-scoped: the per-test cleanup does not cover it
+        trainer.fit(module, DataLoader(TokenRows(n=8, seq=16, vocab=200), batch_size=4))
     return tmp
 
 
@@ -217,11 +222,11 @@ def test_an_export_layout_the_model_cannot_hold_is_refused_before_writing(moe_ru
         for layout in ("fused", "per_expert"):
             with pytest.raises(PeftExportError, match="has no LoRA adapters on routed experts"):
                 module.save_hf_checkpoint(tmp_path / "out", mode="peft", lora_experts_layout=layout)
-    # a family with no fused expert layout registered (Mixtral): per_expert only
+    # a family with no fused expert layout registered (every MoE family here has one): per_expert only
+    with pytest.raises(PeftExportError, match="no fused expert layout.*per_expert"):
+        experts_layout("fused", "peft", True, None)
     make_hf_model("mixtral", tmp_path / "mixtral")
     mixtral = PretrainModule(str(tmp_path / "mixtral"), lora=LoRAConfig(target_modules="all-linear"))
-    with pytest.raises(PeftExportError, match="no fused expert layout.*per_expert"):
-        mixtral.save_hf_checkpoint(tmp_path / "out", mode="peft", lora_experts_layout="fused")
     with pytest.raises(PeftExportError, match="must be one of fused, per_expert"):
         mixtral.save_hf_checkpoint(tmp_path / "out", mode="peft", lora_experts_layout="stacked")
     assert experts_layout("per_expert", "peft", True, None) == "per_expert"

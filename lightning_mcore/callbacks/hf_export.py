@@ -13,7 +13,8 @@ class HFExport(L.Callback):
     `dirpath/step=N` (a complete HF directory, written to a temporary name then renamed).
 
     `mode`: "full" (the whole model, loadable by transformers), "peft" (a LoRA run's adapter,
-    loadable by peft) or "merged" (LoRA merged into the base weights).
+    loadable by peft) or "merged" (LoRA merged into the base weights). `lora_experts_layout`
+    (PEFT with adapters on MoE experts): "fused" (default) or "per_expert" (vLLM's names).
 
     A run never replaces an export it finds already there (an earlier run's, say): before the
     first step it checks every `step=N` it will write and refuses, unless `overwrite=True`, and
@@ -28,13 +29,17 @@ class HFExport(L.Callback):
         mode: Literal["full", "peft", "merged"] = "full",
         max_shard_bytes: int = 5 * 2**30,
         overwrite: bool = False,
+        lora_experts_layout: Optional[Literal["fused", "per_expert"]] = None,
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps <= 0:
             raise ValueError(f"every_n_train_steps must be a positive int or None, got {every_n_train_steps}.")
         if mode not in ("full", "peft", "merged"):
             raise ValueError(f"mode must be 'full', 'peft' or 'merged', got {mode!r}.")
+        if lora_experts_layout is not None and mode != "peft":
+            raise ValueError(f"lora_experts_layout applies to mode='peft' exports, not {mode!r}; leave it unset.")
         self.dirpath, self.every, self.at_end = Path(dirpath), every_n_train_steps, at_end
         self.mode, self.max_shard_bytes, self.overwrite = mode, max_shard_bytes, overwrite
+        self.lora_experts_layout = lora_experts_layout
         self.last_export: Optional[Path] = None
 
     def path(self, step: int) -> Path:
@@ -63,7 +68,13 @@ class HFExport(L.Callback):
         if self.mode != "full" and getattr(pl_module, "lora", None) is None:
             raise ValueError(f"HFExport(mode={self.mode!r}) needs a module trained with LoRA; use mode='full'.")
         if self.mode == "peft":
-            pl_module.check_peft_export()
+            pl_module.check_peft_export(self.lora_experts_layout or "fused")
+        if self.lora_experts_layout is not None:
+            from lightning_mcore.model.lora import adapts_experts
+
+            if not adapts_experts(pl_module.lora, pl_module.model_config):
+                raise ValueError(f"HFExport(lora_experts_layout={self.lora_experts_layout!r}): the "
+                                 f"model has no LoRA adapters on MoE experts; leave it unset.")
 
     def on_train_start(self, trainer, pl_module) -> None:
         # After a resume has set global_step, before the first step costs anything.
@@ -74,7 +85,7 @@ class HFExport(L.Callback):
         if path == self.last_export:
             return  # the last step was already exported by the every-N rule
         pl_module.save_hf_checkpoint(path, max_shard_bytes=self.max_shard_bytes, mode=self.mode,
-                                     overwrite=self.overwrite)
+                                     overwrite=self.overwrite, lora_experts_layout=self.lora_experts_layout)
         self.last_export = path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -27,16 +27,18 @@ class LoRAPlanError(LoRAError):
         self.lora, self.fields, self.options = tuple(lora), tuple(fields), tuple(options)
 
 
-def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", expert_tensor_parallel_size: int) -> None:
+def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", expert_tensor_parallel_size: int,
+                    uses_te: bool = False) -> None:
     """Raise LoRAPlanError naming the settings and the fix; return None when `lora` applies.
-    `expert_tensor_parallel_size`: the effective one (the strategy's, or its TP size when unset)."""
+    `expert_tensor_parallel_size`: the effective one (the strategy's, or its TP size when unset);
+    `uses_te`: whether the model is built with Transformer Engine's layers."""
     if lora.experts and not model.num_moe_experts:
         raise LoRAPlanError(
             "LoRA experts=True, but the model has no MoE experts (num_moe_experts is not set): "
             "leave lora.experts unset (or False).", lora=("experts",), fields=("num_moe_experts",))
     if not adapts_experts(lora, model):
         return
-    refuse_grouped_gemm_experts(model)
+    refuse_grouped_gemm_experts(model, uses_te)
     if expert_tensor_parallel_size > 1:
         raise LoRAPlanError(
             f"LoRA on MoE experts needs expert_tensor_parallel_size=1 for now (it is "
@@ -59,11 +61,13 @@ def check_expert_rank(lora: LoRAConfig, model: "GPTConfig") -> None:
             lora=("rank", "experts"), fields=("hidden_size", "moe_ffn_hidden_size"))
 
 
-def refuse_grouped_gemm_experts(model: "GPTConfig") -> None:
-    """Grouped-GEMM experts (TEGroupedMLP) have no per-expert linears for the adapters' hooks
-    yet. Delete this function (and its call) once expert adapters support them."""
-    if model.moe_grouped_gemm or model.extra.get("moe_grouped_gemm"):
+def refuse_grouped_gemm_experts(model: "GPTConfig", uses_te: bool) -> None:
+    """Grouped-GEMM experts take adapters as Transformer Engine builds them (TEGroupedMLP, one
+    linear per fc with a weight per expert); without TE mcore builds its legacy GroupedMLP,
+    whose experts are bare weight tensors with no linear to hook."""
+    if (model.moe_grouped_gemm or model.extra.get("moe_grouped_gemm")) and not uses_te:
         raise LoRAPlanError(
-            "LoRA on grouped-GEMM experts (moe_grouped_gemm=True) is not supported yet: set "
-            "moe_grouped_gemm=False, or lora.experts=False to keep experts frozen.",
+            "LoRA on grouped-GEMM experts (moe_grouped_gemm=True) needs Transformer Engine's "
+            "grouped experts (GPU); without it mcore's legacy GroupedMLP has no expert linears to "
+            "adapt: set moe_grouped_gemm=False, or lora.experts=False to keep experts frozen.",
             lora=("experts",), fields=("moe_grouped_gemm",))

@@ -165,7 +165,8 @@ class MegatronStrategy(DDPStrategy):
 
             p = self.parallel
             check_lora_plan(module.lora, model_config,
-                            p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
+                            p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+                            self.uses_te(model_config))
 
     def setup_environment(self) -> None:
         self.validate_module(self.lightning_module)  # still before any process group exists
@@ -579,9 +580,11 @@ class MegatronStrategy(DDPStrategy):
     def teardown(self) -> None:
         from megatron.core import parallel_state
 
+        from lightning_mcore.strategy.teardown import destroy_model_parallel
+
         self.finalize_async_saves(blocking=True)
         if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+            destroy_model_parallel()
         super().teardown()
         self._cpu.uninstall()
 
