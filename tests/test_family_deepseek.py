@@ -8,7 +8,6 @@ import json
 import lightning as L
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from hf_models import hf_config_dict, hf_logits, make_hf_model
 from lightning_mcore import OptimizerSettings, models
@@ -20,7 +19,7 @@ from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.model.lora import LoRAConfig
 from test_bad_inputs import error_line, write_config
 from test_hf_roundtrip import check_logits_and_export
-from test_lora import TOKENS, fit_lora_at_tp2_sp
+from test_lora import TOKENS, fit_lora_at_tp2_sp, peft_and_merged_match
 from test_throughput import counted_training_flops
 from toy import assemble, fit
 
@@ -111,8 +110,6 @@ def test_lora_on_attention_exports_a_peft_adapter_at_tp2(family, tmp_path):
     """Adapters on the MLA linears at TP=2 (+SP), trained 3 steps: the PEFT export loads in peft
     with the mcore model's logits, the merged export equals peft's merge, and the base model,
     the routing bias included, is untouched."""
-    from peft import PeftModel
-
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
     lora = LoRAConfig(target_modules=LORA_TARGETS[family], rank=4, alpha=8.0)
@@ -124,12 +121,7 @@ def test_lora_on_attention_exports_a_peft_adapter_at_tp2(family, tmp_path):
     mcore = torch.load(tmp_path / "logits.pt")
     assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
 
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
-    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
-    merged_ref = peft_model.merge_and_unload().state_dict()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
-    for name, tensor in merged_ref.items():
-        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+    peft_and_merged_match(source, tmp_path, mcore)
 
 
 YARN = hf_config_dict("deepseek_v3")["rope_parameters"]

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 import transformers as tf
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from hf_models import COMMON, FAMILIES, hf_logits, make_hf_model
 from lightning_mcore import GPTConfig, OptimizerSettings, PretrainModule
@@ -21,7 +21,7 @@ from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.models import family_of, gpt_config_from_hf, hf_config_dict_from_gpt
-from test_lora import TOKENS, fit_lora_at_tp2_sp, tensors
+from test_lora import TOKENS, fit_lora_at_tp2_sp, peft_and_merged_match, tensors
 from test_throughput import counted_training_flops
 from toy import TokenRows, assemble, fit
 
@@ -104,8 +104,6 @@ def trainable(hf, r: int) -> int:
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", list(LORA_CASES))
 def test_lora_exports_a_peft_adapter_that_peft_loads(family, tmp_path):
-    from peft import PeftModel
-
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
     targets, hf_targets = LORA_CASES[family]
@@ -125,13 +123,7 @@ def test_lora_exports_a_peft_adapter_that_peft_loads(family, tmp_path):
                      for i in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
     assert adapted == expected
 
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
-    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
-    merged_ref = peft_model.merge_and_unload().state_dict()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
-    assert merged.keys() == merged_ref.keys()
-    for name, tensor in merged_ref.items():
-        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+    peft_and_merged_match(source, tmp_path, mcore)
 
 
 # --- config.json <-> GPTConfig ----------------------------------------------------------------

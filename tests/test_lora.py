@@ -52,6 +52,21 @@ class Probe(L.Callback):
                 {"trainable": pl_module.lora_trainable_parameters, "base_unchanged": same}))
 
 
+def peft_and_merged_match(source, out, mcore: torch.Tensor) -> dict:
+    """peft on `out`/peft gives our logits `mcore` (1e-4, fp32) and its merge_and_unload equals
+    `out`/merged (1e-6); returns merge_and_unload's state dict."""
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), out / "peft")
+    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
+    merged_ref = peft_model.merge_and_unload().state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").state_dict()
+    assert merged.keys() == merged_ref.keys()
+    for name, tensor in merged_ref.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+    return merged_ref
+
+
 def fit_lora_at_tp2_sp(source, lora, out) -> None:
     """Three LoRA steps at TP=2+SP from the HF directory `source`; Probe writes to `out`."""
     trainer = L.Trainer(
@@ -75,8 +90,6 @@ def formula(cfg, r: int) -> int:
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_peft_export_and_merge_match_peft_at_tp2(family, tmp_path):
-    from peft import PeftModel
-
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
     lora = LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0)
@@ -96,17 +109,11 @@ def test_peft_export_and_merge_match_peft_at_tp2(family, tmp_path):
     mcore = torch.load(tmp_path / "logits.pt")
     assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
 
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
-    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
     assert sorted(config["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-
-    merged_ref = peft_model.merge_and_unload().state_dict()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
-    for name, tensor in merged_ref.items():
-        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+    peft_and_merged_match(source, tmp_path, mcore)
 
     saved = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
     from megatron.core import dist_checkpointing

@@ -11,12 +11,11 @@ import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM
 
 from hf_models import hf_logits, make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.model.lora import LoRAConfig, LoRAError
-from test_lora import TOKENS, Probe, tensors
+from test_lora import TOKENS, Probe, peft_and_merged_match, tensors
 from toy import TokenRows, fit, tiny_config
 
 SGD = OptimizerSettings(lr=0.5, optimizer="sgd", weight_decay=0.0, warmup_steps=0)
@@ -25,6 +24,18 @@ LAYOUTS = {
     "ep2_tp2_sp": (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                            sequence_parallel=True, expert_tensor_parallel_size=1)),
 }
+
+
+def fit_at_ep2(source, lora: LoRAConfig, out) -> None:
+    """Three SGD steps at EP=2 (two fork-launched CPU ranks); Probe writes to `out`."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(out)],
+        strategy=MegatronStrategy(expert_model_parallel_size=2, global_batch_size=4,
+                                  micro_batch_size=2, start_method="fork"),
+    )
+    module = PretrainModule(str(source), SGD, lora=lora)
+    trainer.fit(module, DataLoader(TokenRows(n=12, seq=16, vocab=200), batch_size=2))
 
 
 def trainable(hf, r: int) -> int:
@@ -59,19 +70,9 @@ def test_expert_lora_trains_alike_at_ep1_ep2_and_ep2_tp2(tmp_path):
 
 @pytest.mark.distributed
 def test_expert_lora_at_ep2_exports_merged_like_peft_merge_and_unload(tmp_path):
-    from peft import PeftModel
-
     source = tmp_path / "source"
     hf = make_hf_model("qwen3_moe", source, num_experts=8)
-    lora = LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(tmp_path)],
-        strategy=MegatronStrategy(expert_model_parallel_size=2, global_batch_size=4,
-                                  micro_batch_size=2, start_method="fork"),
-    )
-    module = PretrainModule(str(source), SGD, lora=lora)
-    trainer.fit(module, DataLoader(TokenRows(n=12, seq=16, vocab=200), batch_size=2))
+    fit_at_ep2(source, LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0), tmp_path)
 
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts["base_unchanged"] and facts["trainable"] == trainable(hf, 4)
@@ -82,13 +83,7 @@ def test_expert_lora_at_ep2_exports_merged_like_peft_merge_and_unload(tmp_path):
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     assert adapter["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (8 * 4, 64)  # experts x rank
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
-    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
-    merged_ref = peft_model.merge_and_unload().state_dict()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
-    assert merged.keys() == merged_ref.keys()
-    for name, tensor in merged_ref.items():
-        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+    peft_and_merged_match(source, tmp_path, mcore)
 
 
 def test_expert_lora_config_errors_are_clear():

@@ -8,20 +8,17 @@ layout is tested on an all-routed variant."""
 
 import json
 
-import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 import hf_models
 from hf_models import hf_config_dict, hf_logits, make_hf_model
-from lightning_mcore import MegatronStrategy, PretrainModule, models
+from lightning_mcore import models
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.model.lora import LoRAConfig
-from test_lora import TOKENS, Probe, tensors
-from test_lora_experts import SGD
-from toy import TokenRows
+from test_lora import TOKENS, peft_and_merged_match, tensors
+from test_lora_experts import fit_at_ep2
 
 ROUTED_ONLY = dict(n_shared_experts=0, first_k_dense_replace=0)
 
@@ -39,18 +36,6 @@ def drop_empty_tensors(directory) -> None:
 
     path = directory / "model.safetensors"
     save_file({k: v for k, v in load_file(path).items() if v.numel()}, path, metadata={"format": "pt"})
-
-
-def fit_at_ep2(source, lora: LoRAConfig, out) -> None:
-    """Three SGD steps at EP=2 (two fork-launched CPU ranks); Probe writes to `out`."""
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(out)],
-        strategy=MegatronStrategy(expert_model_parallel_size=2, global_batch_size=4,
-                                  micro_batch_size=2, start_method="fork"),
-    )
-    module = PretrainModule(str(source), SGD, lora=lora)
-    trainer.fit(module, DataLoader(TokenRows(n=12, seq=16, vocab=200), batch_size=2))
 
 
 @pytest.mark.distributed
@@ -84,12 +69,7 @@ def test_expert_lora_at_ep2_exports_as_peft_loads_it(family, tmp_path, monkeypat
     assert loaded.keys() == adapter.keys()  # nothing dropped, renamed or left at its init
     for name, tensor in adapter.items():
         assert torch.equal(loaded[name], tensor), name
-    assert (hf_logits(peft_model.eval(), TOKENS) - mcore).abs().max().item() <= 1e-4
-    merged_ref = peft_model.merge_and_unload().state_dict()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
-    assert merged.keys() == merged_ref.keys()
-    for name, tensor in merged_ref.items():
-        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6, msg=name)
+    merged_ref = peft_and_merged_match(source, tmp_path, mcore)
 
     base = hf.state_dict()  # the expert adapters move the expert weights well past 1e-6
     for name in merged_ref:
