@@ -1,9 +1,12 @@
-"""LoRA SFT throughput and peak memory: a Llama-3-8B-shaped model on one GPU, packed sequences.
+"""LoRA SFT throughput and peak memory: a Llama-3-8B-shaped model on one GPU, or Qwen3-30B-A3B
+with adapters on every expert at expert parallel 2, packed sequences.
 
 Trainer + MegatronStrategy + SFTModule(lora=...) on synthetic packed rows (several samples per
-row, assistant-only loss on half of each sample), TE spec, bf16, one process:
+row, assistant-only loss on half of each sample), TE spec, bf16:
 
     torchrun --nproc-per-node 1 benchmarks/bench_lora_sft.py --shape llama-8b --seq 4096
+    torchrun --nproc-per-node 2 benchmarks/bench_lora_sft.py --shape qwen3-30b-a3b --seq 4096 \
+        --ep 2 --rank 8 --alpha 32 --recompute --gbs 8
 
 The base is random (layout-invariant init), which costs the same as a pretrained one. Prints
 one JSON line: tokens/s, MFU (counting the frozen base's forward + input-gradient matmuls:
@@ -19,6 +22,8 @@ import time
 
 import torch
 from bench_pretrain import PEAK_BF16_TFLOPS, SHAPES, flops_per_token
+
+from lightning_mcore.model.flops import training_flops_per_token
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings
@@ -53,6 +58,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--gbs", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--alpha", type=float, default=None, help="default: 2 x rank")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE shapes)")
+    ap.add_argument("--full", action="store_true", help="full-parameter training instead of LoRA")
     ap.add_argument("--recompute", action="store_true", help="full activation recompute")
     args = ap.parse_args()
 
@@ -69,26 +77,33 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t)
 
-    strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1)
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed",
+    devices = int(os.environ.get("WORLD_SIZE", 1))
+    strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1, expert_model_parallel_size=args.ep,
+                                expert_tensor_parallel_size=1 if args.ep > 1 else None)
+    trainer = L.Trainer(accelerator="gpu", devices=devices, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
-    lora = LoRAConfig(target_modules="all-linear", rank=args.rank, alpha=2.0 * args.rank)
+    lora = None if args.full else LoRAConfig(target_modules="all-linear", rank=args.rank,
+                                                 alpha=args.alpha or 2.0 * args.rank)
     module = SFTModule(cfg, OptimizerSettings(lr=1e-4, warmup_steps=2), lora=lora)
     data = DataLoader(PackedRows(args.gbs * args.steps, args.seq, cfg.vocab_size), batch_size=args.gbs)
     trainer.fit(module, data)
 
     steady = times[3:]
     step = sum(steady) / len(steady)
-    tokens = args.gbs * args.seq / step
+    tokens = args.gbs * args.seq / step / devices  # per GPU
     mfu = tokens * flops_per_token(cfg, args.seq) / (PEAK_BF16_TFLOPS * 1e12)
+    # what a LoRA step runs: the frozen base's forward and input gradients, no weight gradients
+    mfu_run = tokens * training_flops_per_token(cfg, args.seq, frozen_base=not args.full) / (PEAK_BF16_TFLOPS * 1e12)
     if int(os.environ.get("RANK", 0)) == 0:
         print("RESULT " + json.dumps({
-            "shape": args.shape, "seq": args.seq, "gbs": args.gbs, "lora_rank": args.rank,
+            "shape": args.shape, "seq": args.seq, "gbs": args.gbs, "lora_rank": None if args.full else args.rank,
+            "ep": args.ep, "devices": devices,
             "recompute": args.recompute, "device": torch.cuda.get_device_name(),
-            "tokens_per_s": round(tokens), "step_s": round(step, 3), "mfu_full_model_flops": round(mfu, 3),
+            "tokens_per_s_per_gpu": round(tokens), "step_s": round(step, 3),
+            "mfu_full_model_flops": round(mfu, 3), "mfu_flops_run": round(mfu_run, 3),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-            "trainable_params": module.lora_trainable_parameters,
+            "trainable_params": getattr(module, "lora_trainable_parameters", None),
         }), flush=True)
 
 

@@ -47,6 +47,12 @@ SHAPES = {
                             rotary_base=1000000.0, norm_epsilon=1e-6, num_moe_experts=64,
                             moe_router_topk=8, moe_ffn_hidden_size=768, moe_grouped_gemm=True,
                             moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=False),
+    # Qwen3-30B-A3B itself: 48 layers, 128 experts top-8 (30.5B parameters, 3.3B active)
+    "qwen3-30b-a3b": dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                          num_query_groups=4, kv_channels=128, qk_layernorm=True, vocab_size=151936,
+                          rotary_base=1000000.0, norm_epsilon=1e-6, num_moe_experts=128,
+                          moe_router_topk=8, moe_ffn_hidden_size=768, moe_grouped_gemm=True,
+                          moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=False),
 }
 
 
