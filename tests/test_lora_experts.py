@@ -26,12 +26,12 @@ LAYOUTS = {
 }
 
 
-def fit_at_ep2(source, lora: LoRAConfig, out) -> None:
-    """Three SGD steps at EP=2 (two fork-launched CPU ranks); Probe writes to `out`."""
+def fit_at_ep2(source, lora: LoRAConfig, out, **parallel) -> None:
+    """Three SGD steps at EP=2 (or `parallel`; two fork-launched CPU ranks); Probe writes to `out`."""
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(out)],
-        strategy=MegatronStrategy(expert_model_parallel_size=2, global_batch_size=4,
+        strategy=MegatronStrategy(**(parallel or dict(expert_model_parallel_size=2)), global_batch_size=4,
                                   micro_batch_size=2, start_method="fork"),
     )
     module = PretrainModule(str(source), SGD, lora=lora)
