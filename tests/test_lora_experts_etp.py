@@ -14,6 +14,7 @@ from hf_models import hf_logits, make_hf_model
 from lightning_mcore.model.lora import LoRAConfig
 from test_lora import TOKENS, peft_and_merged_match
 from test_lora_experts import SGD, fit_at_ep2, trainable
+from test_lora_experts_resume import adapters, run
 from toy import TokenRows, fit
 
 ETP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2)
@@ -41,10 +42,30 @@ def test_expert_lora_trains_alike_with_expert_tensor_parallelism(tmp_path):
 def test_expert_lora_at_expert_tp2_exports_peft_and_merged(tmp_path):
     source = tmp_path / "source"
     hf = make_hf_model("qwen3_moe", source, num_experts=8)
-    fit_at_ep2(source, dataclasses.replace(EXPERTS_ONLY, target_modules="all-linear"), tmp_path, **ETP2)
+    # TP=1: the export must gather expert shards over expert-TP, not over TP
+    fit_at_ep2(source, dataclasses.replace(EXPERTS_ONLY, target_modules="all-linear"), tmp_path,
+               expert_tensor_parallel_size=2)
 
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts["base_unchanged"] and facts["trainable"] == trainable(hf, 4)
     mcore = torch.load(tmp_path / "logits.pt")
     assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
     peft_and_merged_match(source, tmp_path, mcore)
+
+
+@pytest.mark.distributed
+def test_expert_tp2_checkpoint_reshards_to_one_rank(tmp_path):
+    """One rank loads every expert's A/B as saved at expert-TP 2 (fc1's B in [gate; up] rows,
+    fc2's A joined along its input; a copy: bitwise) and continues like the expert-TP 2 run
+    (another reduction order: within 1e-5), Adam's moments included."""
+    make_hf_model("qwen3_moe", tmp_path / "source")
+    straight = run(tmp_path, "straight", 2, **ETP2)
+    run(tmp_path, "first", 2, stop=2, **ETP2)
+    resumed = run(tmp_path, "one", 1, ckpt_path=str(tmp_path / "first-ckpts" / "epoch=0-step=2.ckpt"))
+    saved, loaded = adapters(tmp_path, "first", "end", 2), adapters(tmp_path, "one", "init", 1)
+    assert saved and loaded.keys() == saved.keys()
+    for key, tensor in saved.items():
+        assert torch.equal(loaded[key], tensor), key  # NaN where a rank's shard was missing
+    assert len(resumed) == 2
+    for got, want in zip(resumed, straight[2:]):
+        assert abs(got - want) <= 1e-5 * want, (resumed, straight)
