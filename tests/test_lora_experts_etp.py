@@ -1,8 +1,8 @@
 """Issue 19: LoRA on MoE routed experts with expert tensor parallelism (expert-TP 2). Each
 expert's adapter shards like its linears (fc1: B over expert-TP, fc2: A), the replicated factor's
 gradient is summed over expert-TP: experts-only LoRA trains as at one rank, at TP=2+SP with
-expert-TP 2 and at EP=2 x expert-TP 2; the PEFT export gathers the shards and loads in peft with
-our logits, the merged one equals peft's merge_and_unload."""
+expert-TP 2, at EP=2 x expert-TP 2 and at TP=1 with expert-TP 2; the PEFT export gathers the shards and loads in peft with
+our logits, the merged one equals peft's merge_and_unload; a checkpoint reshards to one rank."""
 
 import dataclasses
 import json
@@ -18,7 +18,8 @@ from test_lora_experts_resume import adapters, run
 from toy import TokenRows, fit
 
 ETP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2)
-LAYOUTS = {"tp2_sp_etp2": (2, ETP2), "ep2_etp2": (4, dict(ETP2, expert_model_parallel_size=2))}
+LAYOUTS = {"tp2_sp_etp2": (2, ETP2), "ep2_etp2": (4, dict(ETP2, expert_model_parallel_size=2)),
+           "etp2": (2, dict(expert_tensor_parallel_size=2))}  # TP=1: expert-TP ranks are not TP ranks
 EXPERTS_ONLY = LoRAConfig(target_modules=["gate_proj", "up_proj", "down_proj"], rank=4, alpha=8.0)
 
 
