@@ -174,8 +174,17 @@ class LoRAAdapter(torch.nn.Module):
         (self.lora_B if kind == "column" else self.lora_A).lora_sharded = tp > 1
         if expert:  # mcore's marker of expert weights: reduced over expert-DP, not DP
             self.lora_A.allreduce = self.lora_B.allreduce = False
+            replicated, sharded = (self.lora_A, self.lora_B) if kind == "column" else (self.lora_B, self.lora_A)
             # Replicated over expert-TP with a partial gradient per rank (module docstring).
-            (self.lora_A if kind == "column" else self.lora_B).expert_tp_partial_grad = tp > 1
+            replicated.expert_tp_partial_grad = tp > 1
+            # The gradient norm counts each expert's factors once per expert-TP group (mcore
+            # counts a parameter on TP rank 0 only, on every rank if `tensor_model_parallel`,
+            # never if `shared`; the TP rank says nothing about experts).
+            sharded.tensor_model_parallel = True
+            if parallel_state.get_expert_tensor_parallel_rank() == 0:
+                replicated.tensor_model_parallel = True
+            else:
+                replicated.shared = True
         self.dropout = lora.dropout
         self.merged, self.original = False, None
         self.enabled = True  # False: the base model alone (DPO's reference)
