@@ -44,6 +44,20 @@ def test_expert_lora_trains_alike_with_expert_tensor_parallelism(tmp_path):
 
 
 @pytest.mark.distributed
+def test_expert_tp2_sums_fit_the_distributed_optimizer(tmp_path):
+    """Expert-data-parallel 2 x expert-TP 2 with mcore's distributed optimizer (Adam: the only
+    one it shards): the expert-TP sum runs on the reduce-scattered gradient buffer, as at one rank."""
+    make_hf_model("qwen3_moe", tmp_path / "source", num_experts=8)
+    optim = dataclasses.replace(SGD, optimizer="adam", lr=2e-2)
+    runs = [fit(tmp_path, devices=devices, steps=3, gbs=4, mbs=1, config=str(tmp_path / "source"),
+                optim=optim, module_kwargs={"lora": EXPERTS_ONLY}, name=f"run{devices}",
+                dataset=TokenRows(n=4, seq=16, vocab=200), **parallel)
+            for devices, parallel in ((1, {}), (4, dict(expert_tensor_parallel_size=2, use_distributed_optimizer=True)))]
+    assert runs[0][0] - runs[0][-1] > 1e-2, runs[0]
+    for got, want in zip(runs[1], runs[0]):
+        assert abs(got - want) <= 1e-5 * want, runs
+
+@pytest.mark.distributed
 def test_expert_lora_at_expert_tp2_exports_peft_and_merged(tmp_path):
     source = tmp_path / "source"
     hf = make_hf_model("qwen3_moe", source, num_experts=8)
