@@ -181,7 +181,7 @@ class LoRAAdapter(torch.nn.Module):
             # counts a parameter on TP rank 0 only, on every rank if `tensor_model_parallel`,
             # never if `shared`; the TP rank says nothing about experts).
             sharded.tensor_model_parallel = True
-            if parallel_state.get_expert_tensor_parallel_rank() == 0:
+            if _tp_rank(True) == 0:
                 replicated.tensor_model_parallel = True
             else:
                 replicated.shared = True
@@ -230,7 +230,7 @@ class LoRAAdapter(torch.nn.Module):
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-        etp, etp_rank = _tp_size(True), parallel_state.get_expert_tensor_parallel_rank()
+        etp, etp_rank = _tp_size(True), _tp_rank(True)
         dp_rank = parallel_state.get_expert_data_parallel_rank()
         (sharded, axis), = self.tp_axis.items()
         out = {}
@@ -316,10 +316,17 @@ def _check_experts(path: str, module, lora: LoRAConfig) -> None:
 
 
 def _tp_size(expert: bool) -> int:
-    """The tensor-parallel size of a base linear: expert-TP for a routed expert's, else TP."""
+    """The tensor-parallel size of a base linear: expert-TP for a routed expert's, else TP (1
+    before mcore's groups exist)."""
     if expert:
-        return parallel_state.get_expert_tensor_parallel_world_size()
-    return parallel_state.get_tensor_model_parallel_world_size()
+        return parallel_state.get_expert_tensor_parallel_world_size() or 1
+    return parallel_state.get_tensor_model_parallel_world_size() or 1
+
+
+def _tp_rank(expert: bool) -> int:
+    if expert:
+        return parallel_state.get_expert_tensor_parallel_rank() or 0
+    return parallel_state.get_tensor_model_parallel_rank() or 0
 
 
 def _full_shape(kind: str, weight: torch.Tensor, expert: bool) -> tuple[int, int]:
@@ -425,9 +432,7 @@ def _init_a(adapter: LoRAAdapter, name: str, in_features: int, seed: int) -> Non
     bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on fan_in
     full = torch.empty(adapter.lora_A.shape[0], in_features, device="cpu").uniform_(-bound, bound, generator=gen)
     if adapter.kind == "row":  # A is sharded along the input, over TP (experts: expert-TP)
-        rank = (parallel_state.get_expert_tensor_parallel_rank() if adapter.expert
-                else parallel_state.get_tensor_model_parallel_rank())
-        full = full.chunk(_tp_size(adapter.expert), dim=1)[rank]
+        full = full.chunk(_tp_size(adapter.expert), dim=1)[_tp_rank(adapter.expert)]
     adapter.lora_A.copy_(full)
 
 
@@ -447,7 +452,7 @@ def sum_expert_tp_partial_grads(chunks) -> None:
     """All-reduce (sum) the marked parameters' gradients (mcore's main_grad) over expert-TP."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    if parallel_state.get_expert_tensor_parallel_world_size() == 1:
+    if _tp_size(True) == 1:
         return
     grads = [getattr(p, "main_grad", p.grad) for c in chunks for p in c.parameters()
              if p.requires_grad and getattr(p, "expert_tp_partial_grad", False)]
