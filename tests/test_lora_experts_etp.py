@@ -32,13 +32,14 @@ def test_expert_lora_trains_alike_with_expert_tensor_parallelism(tmp_path):
     # Experts only: every change of the loss is theirs. Clipping below the gradient norm (about
     # 0.05 here): the update depends on the norm too, which counts each expert's factors once.
     optim = dataclasses.replace(SGD, lr=5.0, clip_grad=0.03)
+    allgather = {"model_overrides": {"moe_token_dispatcher_type": "allgather"}}  # default: alltoall
     runs = {}
-    for name, (devices, parallel) in {"ep1": (1, {}), **LAYOUTS}.items():
-        runs[name] = fit(tmp_path, devices=devices, steps=3, gbs=4, mbs=1, config=str(source),
-                         optim=optim, module_kwargs={"lora": EXPERTS_ONLY}, name=name,
-                         dataset=TokenRows(n=4, seq=16, vocab=200), **parallel)  # one batch, repeated
+    for name, (devices, parallel) in {"ep1": (1, {}), **LAYOUTS, "allgather": (2, ETP2)}.items():
+        runs[name] = fit(tmp_path, devices=devices, steps=3, gbs=4, mbs=1, config=str(source), optim=optim,
+                         module_kwargs={"lora": EXPERTS_ONLY, **(allgather if name == "allgather" else {})},
+                         name=name, dataset=TokenRows(n=4, seq=16, vocab=200), **parallel)  # one batch, repeated
     assert runs["ep1"][0] - runs["ep1"][-1] > 1e-2, runs["ep1"]
-    for name in LAYOUTS:
+    for name in [*LAYOUTS, "allgather"]:
         for got, want in zip(runs[name], runs["ep1"]):
             assert abs(got - want) <= 1e-5 * want, (name, runs[name], runs["ep1"])
 
