@@ -1,9 +1,10 @@
 """Issue 19: LoRA on MoE routed experts with expert tensor parallelism (expert-TP 2). Each
 expert's adapter shards like its linears (fc1: B over expert-TP, fc2: A), the replicated factor's
 gradient is summed over expert-TP and the gradient norm counts each expert once: experts-only
-LoRA trains as at one rank (clipped), at TP=2+SP with expert-TP 2, at EP=2 x expert-TP 2 and at
-TP=1 with expert-TP 2; the PEFT export gathers the shards and loads in peft with
-our logits, the merged one equals peft's merge_and_unload; a checkpoint reshards to one rank."""
+LoRA (clipped) trains as at one rank at TP=2+SP with expert-TP 2 (alltoall and allgather
+dispatchers), at EP=2 x expert-TP 2, at TP=1 with expert-TP 2 and with the distributed optimizer;
+the PEFT export gathers the shards and loads in peft with our logits, the merged one equals
+peft's merge_and_unload; an expert-TP 2 checkpoint reshards to one rank."""
 
 import dataclasses
 import json
