@@ -16,7 +16,7 @@ from hf_models import hf_logits, make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.model.lora import LoRAConfig, LoRAError
 from test_lora import TOKENS, Probe, peft_and_merged_match, tensors
-from toy import TokenRows, fit, tiny_config
+from toy import TokenRows, fit
 
 SGD = OptimizerSettings(lr=0.5, optimizer="sgd", weight_decay=0.0, warmup_steps=0)
 LAYOUTS = {
@@ -26,12 +26,12 @@ LAYOUTS = {
 }
 
 
-def fit_at_ep2(source, lora: LoRAConfig, out) -> None:
-    """Three SGD steps at EP=2 (two fork-launched CPU ranks); Probe writes to `out`."""
+def fit_at_ep2(source, lora: LoRAConfig, out, **parallel) -> None:
+    """Three SGD steps at EP=2 (or `parallel`; two fork-launched CPU ranks); Probe writes to `out`."""
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Probe(out)],
-        strategy=MegatronStrategy(expert_model_parallel_size=2, global_batch_size=4,
+        strategy=MegatronStrategy(**(parallel or dict(expert_model_parallel_size=2)), global_batch_size=4,
                                   micro_batch_size=2, start_method="fork"),
     )
     module = PretrainModule(str(source), SGD, lora=lora)
@@ -100,11 +100,3 @@ def test_expert_rank_larger_than_the_expert_is_refused(tmp_path):
         fit(tmp_path, devices=1, steps=1, gbs=2, mbs=1, config=str(source),
             dataset=TokenRows(n=4, seq=16, vocab=200),
             module_kwargs={"lora": LoRAConfig(target_modules=["linear_fc2"], rank=48)})
-
-
-@pytest.mark.distributed
-def test_expert_lora_with_expert_tensor_parallelism_is_refused_for_now(tmp_path):
-    config = tiny_config(num_moe_experts=4, moe_ffn_hidden_size=32)
-    with pytest.raises(Exception, match="LoRA on MoE experts needs expert_tensor_parallel_size=1"):
-        fit(tmp_path, devices=2, steps=1, gbs=2, mbs=1, config=config, tensor_model_parallel_size=2,
-            sequence_parallel=True, expert_tensor_parallel_size=2, module_kwargs={"lora": LoRAConfig(target_modules="all-linear")})

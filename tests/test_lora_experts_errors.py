@@ -1,7 +1,7 @@
 """Issue 19: LoRA on MoE experts fails early and exports in either layout.
 
 Settings that cannot work (experts asked of a dense model, a rank beyond the expert's width,
-expert-TP > 1, grouped-GEMM experts without Transformer Engine) are refused by MegatronStrategy.validate_module, before any
+grouped-GEMM experts without Transformer Engine) are refused by MegatronStrategy.validate_module, before any
 process group, and by the CLI with one `error:` line naming the keys. The PEFT export writes
 expert adapters fused (peft's target_parameters) or per expert (vLLM's names), and refuses a
 layout the model cannot hold before writing anything."""
@@ -83,21 +83,11 @@ def test_rank_beyond_the_expert_width_is_refused_before_launch(capsys, tmp_path)
     assert "model.init_args.lora.rank=40" in line and "rank <= 32" in line, line
 
 
-@pytest.mark.usefixtures("no_fit")
-def test_expert_tensor_parallelism_is_refused_before_launch(capsys, tmp_path):
+def test_expert_tensor_parallelism_passes_the_pre_launch_checks():
+    """Expert adapters shard over expert-TP (tests/test_lora_experts_etp.py)."""
     lora = LoRAConfig(target_modules="all-linear")
-    tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
-    with pytest.raises(LoRAError, match="needs expert_tensor_parallel_size=1"):
-        check(MOE, lora, **tp2)  # unset, expert-TP follows TP
-    with pytest.raises(LoRAError, match="needs expert_tensor_parallel_size=1"):
-        check(MOE, lora, expert_tensor_parallel_size=2)
-    check(MOE, lora, expert_tensor_parallel_size=1, **tp2)
-    check(MOE, LoRAConfig(target_modules="all-linear", experts=False), **tp2)
-    check(MOE, LoRAConfig(target_modules=["linear_qkv", "linear_proj"]), **tp2)  # attention only
-    line = refused(capsys, tmp_path, write_config(tmp_path, model=MOE, lora={}), *TP2_SP)
-    assert "invalid LoRA setting" in line and "expert_tensor_parallel_size=1" in line
-    assert "trainer.strategy.init_args.expert_tensor_parallel_size=None" in line
-    assert "trainer.strategy.init_args.tensor_model_parallel_size=2" in line
+    check(MOE, lora, tensor_model_parallel_size=2, sequence_parallel=True)  # unset, expert-TP follows TP
+    check(MOE, lora, expert_tensor_parallel_size=2)
 
 
 @pytest.mark.usefixtures("no_fit")

@@ -8,7 +8,7 @@ query group and linear_fc1's B into gate/up ([gate_i; up_i] per rank), all shari
     adapter_model.safetensors: base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight ...
     adapter_config.json:       peft's LoraConfig (r, lora_alpha, target_modules in HF names, ...)
 
-Routed experts (one adapter per expert, whole at expert-TP 1, on its EP rank) map per expert
+Routed experts (one adapter per expert on its EP rank, gathered over expert-TP) map per expert
 as their weights do (...mlp.experts.<e>.gate_proj: the layout of per-expert linears, vLLM's);
 with `experts="fused"` rank 0 then stacks them the way peft adapts transformers 5's fused 3-D
 expert parameters (`target_parameters`, one ParamWrapper per parameter, nested in declaration
@@ -68,10 +68,12 @@ def experts_layout(layout: Optional[str], mode: str, has_expert_adapters: bool,
     return layout
 
 
-def _gather(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
+def _gather(t: torch.Tensor, dim: int, expert: bool = False) -> list[torch.Tensor]:
+    """The shards of `t` over TP (a routed expert's: over expert-TP), in rank order."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_tensor_model_parallel_group()
+    group = (parallel_state.get_expert_tensor_parallel_group() if expert
+             else parallel_state.get_tensor_model_parallel_group())
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         return [t.detach()]
@@ -94,12 +96,11 @@ def adapter_tensors(chunks, cfg, weights: list[Entry]) -> tuple[dict, dict]:
         local = re.sub(r"\.local_experts\.\d+\.", ".local_experts.{E}.", path.split(".", 3)[3])
         entry = entries["decoder.layers.{L}." + local + ".weight"]
         names = entry.hf_names(layer, expert)
-        gather = (lambda t, dim: [t.detach()]) if adapter.expert else _gather  # expert-TP 1
         if TARGETS[short][0] == "column":
-            bs = entry.transform.save(gather(adapter.lora_B, 0), names, dims)
+            bs = entry.transform.save(_gather(adapter.lora_B, 0, adapter.expert), names, dims)
             pieces = {n: (adapter.lora_A.detach(), bs[n]) for n in names}
         else:
-            a = entry.transform.save(gather(adapter.lora_A, 1), names, dims)
+            a = entry.transform.save(_gather(adapter.lora_A, 1, adapter.expert), names, dims)
             pieces = {n: (a[n], adapter.lora_B.detach()) for n in names}
         out = experts if adapter.expert else dense
         for hf_name, (a, b) in pieces.items():

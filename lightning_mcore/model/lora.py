@@ -21,6 +21,24 @@ that splits its input by m_splits and runs each expert's adapter on its rows
 dispatcher does), so neither does their adapter; they are marked like mcore's expert weights
 (`allreduce = False`: gradients reduced over the expert-data-parallel group).
 
+With expert tensor parallelism (ETP ranks e0, e1 hold one expert's shards) the adapter shards
+like the expert's linears and, like them, works on the dispatched tokens that every ETP rank of
+the expert sees in full; the dispatcher sums the ranks' partial outputs (its reduce-scatter) and
+their partial input gradients (the backward of its all-gather):
+
+    fc1 (column): W [out/etp, in] (SwiGLU: rows [gate_i; up_i])  A [r, in] replicated  B_i [out/etp, r]
+        e_i: y_i = W_i x + B_i A x   (rows of the output; grad x = A^T B_i^T g_i is partial, as
+        the base's). grad A = sum_i B_i^T g_i x^T: each rank holds one term.
+    fc2 (row):    W [out, in/etp]    A_i [r, in/etp]  B [out, r] replicated
+        e_i: y_i = W_i x_i + B A_i x_i   (partial, summed by the dispatcher with the base's).
+        grad B = g sum_i (A_i x_i)^T: each rank holds one term.
+
+So the replicated factor's gradient is partial over the expert-TP group (`expert_tp_partial_grad`)
+and is summed there once per step, after mcore's finalize_model_grads (`with_expert_tp_grad_sums`:
+mcore sums only dense `sequence_parallel` gradients, over the TP group). Both sums are linear, so
+summing after the expert-data-parallel reduction is the same, and it comes after the asynchronous
+bucket reductions (overlap_grad_reduce) are finished.
+
 Adapters live in one `lora` submodule per model chunk (keys carry the global layer number, so
 checkpoints reshard across PP) and run from forward hooks on the base layers, whose own
 parameters, names and checkpoint keys stay untouched and frozen. Only adapter parameters reach
@@ -144,8 +162,8 @@ class LoRAAdapter(torch.nn.Module):
                  expert: bool = False) -> None:
         super().__init__()
         self.gated = gated  # linear_fc1 of SwiGLU: output rows are [gate; up] per TP rank
-        self.expert = expert  # a routed expert's linear: sharded over expert-TP (1 for now)
-        tp = 1 if expert else parallel_state.get_tensor_model_parallel_world_size()
+        self.expert = expert  # a routed expert's linear: sharded over expert-TP, not TP
+        tp = _tp_size(expert)
         self.kind, self.scale, self.sequence_parallel = kind, lora.scale, sequence_parallel
         a_in = in_features // tp if kind == "row" else in_features
         b_out = out_features // tp if kind == "column" else out_features
@@ -156,6 +174,17 @@ class LoRAAdapter(torch.nn.Module):
         (self.lora_B if kind == "column" else self.lora_A).lora_sharded = tp > 1
         if expert:  # mcore's marker of expert weights: reduced over expert-DP, not DP
             self.lora_A.allreduce = self.lora_B.allreduce = False
+            replicated, sharded = (self.lora_A, self.lora_B) if kind == "column" else (self.lora_B, self.lora_A)
+            # Replicated over expert-TP with a partial gradient per rank (module docstring).
+            replicated.expert_tp_partial_grad = tp > 1
+            # The gradient norm counts each expert's factors once per expert-TP group (mcore
+            # counts a parameter on TP rank 0 only, on every rank if `tensor_model_parallel`,
+            # never if `shared`; the TP rank says nothing about experts).
+            sharded.tensor_model_parallel = True
+            if _tp_rank(True) == 0:
+                replicated.tensor_model_parallel = True
+            else:
+                replicated.shared = True
         self.dropout = lora.dropout
         self.merged, self.original = False, None
         self.enabled = True  # False: the base model alone (DPO's reference)
@@ -194,13 +223,26 @@ class LoRAAdapter(torch.nn.Module):
         return out
 
     def _expert_sharded_state_dict(self, prefix: str) -> dict:
-        """Whole A and B under the global expert's key (in `prefix`), replicated over the
-        expert-data-parallel group only (other EP ranks hold other experts)."""
+        """A and B under the global expert's key (in `prefix`): the sharded factor at its
+        expert-TP offset, the replicated one whole (a replica on every expert-TP rank but the
+        first); replicated over the expert-data-parallel group (other EP ranks hold other
+        experts). So checkpoints reshard across EP and expert-TP."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-        replica = (0, 0, parallel_state.get_expert_data_parallel_rank())
-        return {f"{prefix}{n}": ShardedTensor.from_rank_offsets(f"{prefix}{n}", p, replica_id=replica)
-                for n, p in self.named_parameters()}
+        etp, etp_rank = _tp_size(True), _tp_rank(True)
+        dp_rank = parallel_state.get_expert_data_parallel_rank()
+        (sharded, axis), = self.tp_axis.items()
+        out = {}
+        for n, p in self.named_parameters():
+            key = f"{prefix}{n}"
+            if n == sharded and etp > 1:
+                out[key] = ShardedTensor.from_rank_offsets(key, p, (axis, etp_rank, etp), replica_id=(0, 0, dp_rank))
+                if self.gated:  # B's rows are [gate_i; up_i] per rank: saved as [gate; up]
+                    out[key] = apply_swiglu_sharded_factory(out[key], ())
+            else:
+                out[key] = ShardedTensor.from_rank_offsets(key, p, replica_id=(0, etp_rank, dp_rank))
+        return out
 
 
 class LoRAAdapters(torch.nn.ModuleDict):
@@ -264,17 +306,34 @@ def adapts_experts(lora: LoRAConfig, cfg=None) -> bool:
 
 
 def _check_experts(path: str, module, lora: LoRAConfig) -> None:
-    """Expert adapters exist for the local SequentialMLP and TE's grouped experts at expert-TP
-    1, with a rank no larger than the expert's dimensions."""
-    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
-        raise LoRAError(
-            "LoRA on MoE experts needs expert_tensor_parallel_size=1 for now; set it, or "
-            "LoRAConfig(experts=False) to keep experts frozen.")
-    smallest = min(expert_weights(module)[0].shape)
-    if lora.rank > smallest:
+    """Expert adapters exist for the local SequentialMLP and TE's grouped experts, with a rank
+    no larger than the expert's (unsharded) dimensions."""
+    shape = _full_shape(TARGETS[path.rsplit(".", 1)[-1]][0], expert_weights(module)[0], True)
+    if lora.rank > min(shape):
         raise LoRAError(
             f"LoRA rank {lora.rank} is larger than the expert linear {path} "
-            f"({tuple(expert_weights(module)[0].shape)}): use rank <= {smallest}, or experts=False.")
+            f"({shape}): use rank <= {min(shape)}, or experts=False.")
+
+
+def _tp_size(expert: bool) -> int:
+    """The tensor-parallel size of a base linear: expert-TP for a routed expert's, else TP (1
+    before mcore's groups exist)."""
+    if expert:
+        return parallel_state.get_expert_tensor_parallel_world_size() or 1
+    return parallel_state.get_tensor_model_parallel_world_size() or 1
+
+
+def _tp_rank(expert: bool) -> int:
+    if expert:
+        return parallel_state.get_expert_tensor_parallel_rank() or 0
+    return parallel_state.get_tensor_model_parallel_rank() or 0
+
+
+def _full_shape(kind: str, weight: torch.Tensor, expert: bool) -> tuple[int, int]:
+    """(out, in) of the whole linear whose shard is `weight`."""
+    tp = _tp_size(expert)
+    out_f, in_f = weight.shape
+    return (out_f * tp, in_f) if kind == "column" else (out_f, in_f * tp)
 
 
 def _refuse_unadapted_experts(layer, adapters) -> None:
@@ -297,9 +356,7 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     if weight is None or weight.dim() != 2:
         raise LoRAError(f"LoRA cannot adapt {path} ({type(module).__name__}): no 2-D weight.")
     expert = ".local_experts." in f".{path}"
-    tp = 1 if expert else parallel_state.get_tensor_model_parallel_world_size()
-    out_f, in_f = weight.shape
-    out_f, in_f = (out_f * tp, in_f) if kind == "column" else (out_f, in_f * tp)
+    out_f, in_f = _full_shape(kind, weight, expert)
     sp = not expert and bool(getattr(module.config, "sequence_parallel", False))
     gated = path.endswith("linear_fc1") and bool(getattr(module.config, "gated_linear_unit", False))
     adapter = LoRAAdapter(kind, in_f, out_f, lora, sp, weight.dtype, weight.device, gated, expert)
@@ -323,7 +380,7 @@ def attach_grouped(adapters, layer_number: int, path: str, module, lora: LoRACon
     gated = short == "linear_fc1" and bool(getattr(module.config, "gated_linear_unit", False))
     local_adapters = []
     for local, weight in enumerate(expert_weights(module)):
-        out_f, in_f = weight.shape
+        out_f, in_f = _full_shape(kind, weight, True)
         adapter = LoRAAdapter(kind, in_f, out_f, lora, False, weight.dtype, weight.device, gated, expert=True)
         adapter.local_path, adapter.weight_name = path, f"weight{local}"  # set_merged
         name = adapter_name(layer_number, f"{head}.local_experts.{global_expert(local, module.config)}.{short}")
@@ -374,10 +431,38 @@ def _init_a(adapter: LoRAAdapter, name: str, in_features: int, seed: int) -> Non
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on fan_in
     full = torch.empty(adapter.lora_A.shape[0], in_features, device="cpu").uniform_(-bound, bound, generator=gen)
-    if adapter.kind == "row" and not adapter.expert:
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        full = full.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=1)[rank]
+    if adapter.kind == "row":  # A is sharded along the input, over TP (experts: expert-TP)
+        full = full.chunk(_tp_size(adapter.expert), dim=1)[_tp_rank(adapter.expert)]
     adapter.lora_A.copy_(full)
+
+
+def with_expert_tp_grad_sums(finalize_model_grads):
+    """mcore's finalize_model_grads, then the expert-TP sum of the gradients that are partial
+    there (`expert_tp_partial_grad`: replicated expert adapter factors; module docstring)."""
+
+    def finalize(model, *args, **kwargs):
+        out = finalize_model_grads(model, *args, **kwargs)
+        sum_expert_tp_partial_grads(model)
+        return out
+
+    return finalize
+
+
+def sum_expert_tp_partial_grads(chunks) -> None:
+    """All-reduce (sum) the marked parameters' gradients (mcore's main_grad) over expert-TP."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    if _tp_size(True) == 1:
+        return
+    grads = [getattr(p, "main_grad", p.grad) for c in chunks for p in c.parameters()
+             if p.requires_grad and getattr(p, "expert_tp_partial_grad", False)]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat, group=parallel_state.get_expert_tensor_parallel_group())
+    for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(summed)
 
 
 def adapters_of(chunks) -> list[tuple[str, LoRAAdapter, torch.nn.Module]]:

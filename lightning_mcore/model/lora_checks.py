@@ -30,7 +30,8 @@ class LoRAPlanError(LoRAError):
 def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", expert_tensor_parallel_size: int,
                     uses_te: bool = False) -> None:
     """Raise LoRAPlanError naming the settings and the fix; return None when `lora` applies.
-    `expert_tensor_parallel_size`: the effective one (the strategy's, or its TP size when unset);
+    `expert_tensor_parallel_size`: the effective one (the strategy's, or its TP size when unset;
+    expert adapters shard over it like the expert linears, so any size applies);
     `uses_te`: whether the model is built with Transformer Engine's layers."""
     if lora.experts and not model.num_moe_experts:
         raise LoRAPlanError(
@@ -39,12 +40,6 @@ def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", expert_tensor_parallel
     if not adapts_experts(lora, model):
         return
     refuse_grouped_gemm_experts(model, uses_te)
-    if expert_tensor_parallel_size > 1:
-        raise LoRAPlanError(
-            f"LoRA on MoE experts needs expert_tensor_parallel_size=1 for now (it is "
-            f"{expert_tensor_parallel_size}; unset, it follows tensor_model_parallel_size): set "
-            f"expert_tensor_parallel_size=1, or lora.experts=False to keep experts frozen.",
-            lora=("experts",), options=("expert_tensor_parallel_size", "tensor_model_parallel_size"))
     check_expert_rank(lora, model)
 
 

@@ -376,7 +376,9 @@ class MegatronStrategy(DDPStrategy):
             config.param_sync_func = [c.start_param_sync for c in wrapped]
             if len(wrapped) == 1:
                 config.param_sync_func = wrapped[0].start_param_sync
-        config.finalize_model_grads_func = finalize_model_grads
+        from lightning_mcore.model.lora import with_expert_tp_grad_sums  # expert-TP LoRA factors
+
+        config.finalize_model_grads_func = with_expert_tp_grad_sums(finalize_model_grads)
 
     def megatron_optimizer(self, settings: OptimizerSettings) -> MegatronOptimizer:
         """mcore optimizer (distributed when asked) and LR schedule over the wrapped chunks."""
