@@ -53,7 +53,8 @@ def test_disabled_or_merged_adapters_add_nothing():
     lora = LoRAConfig(rank=2)
     linear = GroupedLinear(2, 3, 3)
     adapters = [LoRAAdapter("row", 3, 3, lora, False, torch.float32, "cpu", expert=True) for _ in range(2)]
-    for a in adapters:
+    for a in adapters:  # A is allocated uninitialised (apply_lora draws it): draw both here
+        torch.nn.init.normal_(a.lora_A)
         torch.nn.init.normal_(a.lora_B)
     base = linear(torch.ones(4, 3), [1, 3])[0]
     linear.register_forward_hook(grouped_hook(adapters), with_kwargs=True)

@@ -172,6 +172,10 @@ class LoRAAdapter(torch.nn.Module):
         # Replicated parameters used on sequence shards: mcore sums their gradients over TP.
         (self.lora_A if kind == "column" else self.lora_B).sequence_parallel = sequence_parallel
         (self.lora_B if kind == "column" else self.lora_A).lora_sharded = tp > 1
+        if tp > 1 and not expert:
+            # The gradient norm counts a parameter on TP rank 0 only unless it is marked
+            # tensor-parallel: the sharded factor is (each rank's shard counts once).
+            (self.lora_B if kind == "column" else self.lora_A).tensor_model_parallel = True
         if expert:  # mcore's marker of expert weights: reduced over expert-DP, not DP
             self.lora_A.allreduce = self.lora_B.allreduce = False
             replicated, sharded = (self.lora_A, self.lora_B) if kind == "column" else (self.lora_B, self.lora_A)
