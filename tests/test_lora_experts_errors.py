@@ -101,7 +101,7 @@ def test_grouped_gemm_experts_without_te_are_refused_before_launch(capsys, tmp_p
     line = refused(capsys, tmp_path, write_config(tmp_path, model=grouped, lora={}), *TP2_SP, *ETP1)
     assert "model.init_args.model.moe_grouped_gemm=True" in line and "needs Transformer Engine" in line
     # with Transformer Engine's grouped experts (GPU) they take adapters (tests/test_gpu_lora_experts.py)
-    check_lora_plan(LoRAConfig(target_modules="all-linear"), GPTConfig(**grouped), 1, uses_te=True)
+    check_lora_plan(LoRAConfig(target_modules="all-linear"), GPTConfig(**grouped), uses_te=True)
 
 
 # ------------------------------------------------------------------------ export layouts

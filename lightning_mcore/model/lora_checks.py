@@ -27,12 +27,10 @@ class LoRAPlanError(LoRAError):
         self.lora, self.fields, self.options = tuple(lora), tuple(fields), tuple(options)
 
 
-def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", expert_tensor_parallel_size: int,
-                    uses_te: bool = False) -> None:
+def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False) -> None:
     """Raise LoRAPlanError naming the settings and the fix; return None when `lora` applies.
-    `expert_tensor_parallel_size`: the effective one (the strategy's, or its TP size when unset;
-    expert adapters shard over it like the expert linears, so any size applies);
-    `uses_te`: whether the model is built with Transformer Engine's layers."""
+    `uses_te`: whether the model is built with Transformer Engine's layers. (Any expert-TP size
+    applies: expert adapters shard over it like the expert linears.)"""
     if lora.experts and not model.num_moe_experts:
         raise LoRAPlanError(
             "LoRA experts=True, but the model has no MoE experts (num_moe_experts is not set): "

@@ -163,10 +163,7 @@ class MegatronStrategy(DDPStrategy):
         if getattr(module, "lora", None) is not None and model_config is not None:
             from lightning_mcore.model.lora_checks import check_lora_plan
 
-            p = self.parallel
-            check_lora_plan(module.lora, model_config,
-                            p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
-                            self.uses_te(model_config))
+            check_lora_plan(module.lora, model_config, self.uses_te(model_config))
 
     def setup_environment(self) -> None:
         self.validate_module(self.lightning_module)  # still before any process group exists
