@@ -86,6 +86,7 @@ class MegatronCLI(LightningCLI):
         from lightning_mcore.callbacks.hf_export import HFExport
         from lightning_mcore.hf.config import HFCheckpointError
         from lightning_mcore.hf.export_dir import ExportTargetError
+        from lightning_mcore.hf.peft_export import PeftExportError
 
         if self.subcommand != "fit":
             return
@@ -93,11 +94,11 @@ class MegatronCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, HFExport):
                 try:
-                    if callback.mode == "peft" and getattr(self.model, "lora", None) is not None:
-                        self.model.check_peft_export()
+                    if callback.mode != "full" and getattr(self.model, "lora", None) is not None:
+                        self.model.check_hf_export(callback.mode, callback.lora_experts_layout)
                     if not resumed:
                         callback.check_targets(0, self.trainer.max_steps)
-                except (ExportTargetError, HFCheckpointError) as error:
+                except (ExportTargetError, HFCheckpointError, PeftExportError) as error:
                     self._error(f"trainer.callbacks (HFExport, dirpath={callback.dirpath}): {error}", error)
 
     def instantiate_trainer(self, **kwargs):

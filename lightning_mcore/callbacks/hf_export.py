@@ -67,14 +67,7 @@ class HFExport(L.Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.mode != "full" and getattr(pl_module, "lora", None) is None:
             raise ValueError(f"HFExport(mode={self.mode!r}) needs a module trained with LoRA; use mode='full'.")
-        if self.mode == "peft":
-            pl_module.check_peft_export(self.lora_experts_layout or "fused")
-        if self.lora_experts_layout is not None:
-            from lightning_mcore.model.lora import adapts_experts
-
-            if not adapts_experts(pl_module.lora, pl_module.model_config):
-                raise ValueError(f"HFExport(lora_experts_layout={self.lora_experts_layout!r}): the "
-                                 f"model has no LoRA adapters on MoE experts; leave it unset.")
+        pl_module.check_hf_export(self.mode, self.lora_experts_layout)
 
     def on_train_start(self, trainer, pl_module) -> None:
         # After a resume has set global_step, before the first step costs anything.

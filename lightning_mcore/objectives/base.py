@@ -139,16 +139,9 @@ class MegatronModule(L.LightningModule):
         `directory` must be new or empty; `overwrite` replaces an earlier export (never other
         files: hf/export_dir.py)."""
         from lightning_mcore.hf.export import export_hf
-        from lightning_mcore.hf.peft_export import experts_layout
-        from lightning_mcore.model.lora import adapts_experts, set_merged
+        from lightning_mcore.model.lora import set_merged
 
-        if mode not in ("full", "merged", "peft"):
-            raise ValueError(f"mode must be 'full', 'merged' or 'peft', got {mode!r}.")
-        if mode != "full" and self.lora is None:
-            raise ValueError(f"mode={mode!r} needs LoRA adapters on the model; use mode='full'.")
-        layout = experts_layout(lora_experts_layout, mode,
-                                self.lora is not None and adapts_experts(self.lora, self.model_config),
-                                models.peft_experts(self.model_config, self.hf_family))
+        layout = self.check_hf_export(mode, lora_experts_layout)
         strategy = self._strategy()
         strategy.refuse_nonfinite_weights(f"the HF export {directory}")
         chunks = list(self.chunks)
@@ -157,7 +150,6 @@ class MegatronModule(L.LightningModule):
         if mode == "peft":
             from lightning_mcore.hf.peft_export import export_peft
 
-            self.check_peft_export(layout)
             return export_peft(chunks, self.model_config, self._weights(), self.lora, directory,
                                base_model=self.hf_path, overwrite=overwrite, protected=protected,
                                tokenizer_dir=self.tokenizer_path,
@@ -174,9 +166,23 @@ class MegatronModule(L.LightningModule):
         finally:
             set_merged(chunks, False)
 
-    def check_peft_export(self, experts_layout: str = "fused") -> None:
-        """Refuse, before training, a PEFT export that peft would load wrong."""
-        models.refuse_peft_export(self.model_config, self.hf_family, self.lora, experts_layout)
+    def check_hf_export(self, mode: str, lora_experts_layout: Optional[str] = None) -> str:
+        """Refuse, before training or writing, an export of `mode` this model cannot produce (no
+        adapters, an expert layout it cannot hold) or that peft would load wrong; return the
+        layout of the expert adapters to write (save_hf_checkpoint's arguments)."""
+        from lightning_mcore.hf.peft_export import experts_layout
+        from lightning_mcore.model.lora import adapts_experts
+
+        if mode not in ("full", "merged", "peft"):
+            raise ValueError(f"mode must be 'full', 'merged' or 'peft', got {mode!r}.")
+        if mode != "full" and self.lora is None:
+            raise ValueError(f"mode={mode!r} needs LoRA adapters on the model; use mode='full'.")
+        layout = experts_layout(lora_experts_layout, mode,
+                                self.lora is not None and adapts_experts(self.lora, self.model_config),
+                                models.peft_experts(self.model_config, self.hf_family))
+        if mode == "peft":
+            models.refuse_peft_export(self.model_config, self.hf_family, self.lora, layout)
+        return layout
 
     def _weights(self):
         return models.weights(self.model_config, self.hf_family)
