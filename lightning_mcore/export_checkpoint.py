@@ -45,7 +45,6 @@ def single_process_megatron():
         compat.uninstall()
 
 
-
 def export_checkpoint(
     checkpoint: str,
     output: str,
@@ -74,10 +73,10 @@ def export_checkpoint(
     from lightning_mcore import models
     from lightning_mcore.hf.export import export_hf
     from lightning_mcore.hf.export_dir import check_target
-    from lightning_mcore.hf.peft_export import experts_layout, export_peft
+    from lightning_mcore.hf.peft_export import export_peft
     from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
-    from lightning_mcore.model.lora import adapts_experts, apply_lora, saved_lora, set_merged
+    from lightning_mcore.model.lora import apply_lora, saved_lora, set_merged
     from lightning_mcore.strategy import checkpoint_io
     from lightning_mcore.strategy.cpu import cuda_on_cpu
     from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights
@@ -96,11 +95,8 @@ def export_checkpoint(
         )
     protected = [checkpoint, source, saved.hf_path, saved.init_checkpoint]
     weights = models.weights(saved.config, saved.hf_family)
-    fused = models.peft_experts(saved.config, saved.hf_family)
-    layout = experts_layout(lora_experts_layout, mode,
-                            bool(saved.lora) and adapts_experts(saved_lora(saved.lora), saved.config), fused)
-    if mode == "peft":
-        models.refuse_peft_export(saved.config, saved.hf_family, saved_lora(saved.lora), layout)
+    lora = saved_lora(saved.lora) if saved.lora else None
+    layout = models.export_layout(saved.config, saved.hf_family, lora, mode, lora_experts_layout)
     check_target(output, overwrite, protected)  # before any work; export_* check it again
     with single_process_megatron(), cuda_on_cpu():
         tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,
@@ -108,14 +104,14 @@ def export_checkpoint(
         chunks = build_chunks(saved.config, tf_config, use_te=False, padded_vocab=saved.padded_vocab_size)
         if saved.lora:
             _load_base(chunks, saved, base, weights)
-            apply_lora(chunks, saved_lora(saved.lora), seed=0)
+            apply_lora(chunks, lora, seed=0)
         checkpoint_io.load_model(checkpoint, chunks)
         refuse_nonfinite_weights(chunks, "cpu", f"the HF export {output}")
         if mode == "peft":
-            export_peft(chunks, saved.config, weights, saved_lora(saved.lora), output,
+            export_peft(chunks, saved.config, weights, lora, output,
                         base_model=saved.hf_path, overwrite=overwrite, protected=protected,
                         tokenizer_dir=source or saved.tokenizer_path,
-                        fused_experts=fused, experts=layout)
+                        fused_experts=models.peft_experts(saved.config, saved.hf_family), experts=layout)
         else:
             set_merged(chunks, True)
             export_hf(chunks, saved.config, weights,

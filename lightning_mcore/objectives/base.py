@@ -170,19 +170,11 @@ class MegatronModule(L.LightningModule):
         """Refuse, before training or writing, an export of `mode` this model cannot produce (no
         adapters, an expert layout it cannot hold) or that peft would load wrong; return the
         layout of the expert adapters to write (save_hf_checkpoint's arguments)."""
-        from lightning_mcore.hf.peft_export import experts_layout
-        from lightning_mcore.model.lora import adapts_experts
-
         if mode not in ("full", "merged", "peft"):
             raise ValueError(f"mode must be 'full', 'merged' or 'peft', got {mode!r}.")
         if mode != "full" and self.lora is None:
             raise ValueError(f"mode={mode!r} needs LoRA adapters on the model; use mode='full'.")
-        layout = experts_layout(lora_experts_layout, mode,
-                                self.lora is not None and adapts_experts(self.lora, self.model_config),
-                                models.peft_experts(self.model_config, self.hf_family))
-        if mode == "peft":
-            models.refuse_peft_export(self.model_config, self.hf_family, self.lora, layout)
-        return layout
+        return models.export_layout(self.model_config, self.hf_family, self.lora, mode, lora_experts_layout)
 
     def _weights(self):
         return models.weights(self.model_config, self.hf_family)
