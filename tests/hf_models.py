@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 import transformers as tf
 
+from lightning_mcore.verify import relative_diff  # verify's measure
+
 COMMON = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
@@ -98,16 +100,10 @@ def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits.float()
 
 
-def relative_logit_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
-    """verify's measure: max over positions of max|logits - reference| / max(1, max|reference|)."""
-    error = (logits - reference).abs().amax(-1) / reference.abs().amax(-1).clamp(min=1)
-    return error.max().item()
-
-
 def bf16_tolerance(model, tokens: torch.Tensor, floor: float = 0.1) -> float:
     """What a bf16 run may be off from transformers' fp32 logits: verify's bf16 tolerance, or
     1.5x transformers' own model in bf16 where that is further off (Gemma 3's tiny model: 0.096,
     the other families 0.005-0.03)."""
-    own = relative_logit_error(hf_logits(copy.deepcopy(model).to(torch.bfloat16), tokens),
+    own = relative_diff(hf_logits(copy.deepcopy(model).to(torch.bfloat16), tokens),
                                hf_logits(model, tokens))
     return max(floor, 1.5 * own)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import bf16_tolerance, hf_logits, make_hf_model, relative_logit_error
+from hf_models import bf16_tolerance, hf_logits, make_hf_model
+from lightning_mcore.verify import relative_diff
 
 pytestmark = [pytest.mark.gpu]
 
@@ -47,7 +48,7 @@ def run_families(root: Path, families: dict, accelerator: str, precision: str) -
     results = {}
     for family, want in expected.items():
         out = torch.load(root / family / "out.pt")
-        error = relative_logit_error(out["logits"], want)
+        error = relative_diff(out["logits"], want)
         results[family] = (error, tolerance[family], out["losses"])
         print(json.dumps({"family": family, "layout": families[family], "precision": precision,
                           "rel_logit_diff": error, "tolerance": tolerance[family],

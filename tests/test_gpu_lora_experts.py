@@ -16,7 +16,8 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_models import bf16_tolerance, hf_logits, make_hf_model, relative_logit_error
+from hf_models import bf16_tolerance, hf_logits, make_hf_model
+from lightning_mcore.verify import relative_diff
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
@@ -48,7 +49,7 @@ def test_grouped_gemm_expert_lora_trains_like_sequential_and_exports_to_peft(tmp
     probe = tokens[:2, :-1]
     base = hf_logits(hf, probe)
     tolerance = bf16_tolerance(hf, probe)
-    moved = relative_logit_error(grouped, base)
+    moved = relative_diff(grouped, base)
     assert moved > 1e-2, f"the adapters changed nothing ({moved})"
     # Each expert's trained adapter is the same on both paths up to bf16 rounding; rows given to
     # the wrong expert would make them differ by their whole size.
@@ -58,10 +59,10 @@ def test_grouped_gemm_expert_lora_trains_like_sequential_and_exports_to_peft(tmp
     for key in experts:
         g, s = adapters[0][key].float(), adapters[1][key].float()
         assert s.norm() > 0 and (g - s).norm() <= 0.05 * s.norm(), (key, (g - s).norm() / s.norm())
-    between = relative_logit_error(grouped, sequential)
+    between = relative_diff(grouped, sequential)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "source"),
                                            tmp_path / "grouped" / "peft")
-    against_peft = relative_logit_error(grouped, hf_logits(peft_model.eval(), probe))
+    against_peft = relative_diff(grouped, hf_logits(peft_model.eval(), probe))
     print(json.dumps({"moved": moved, "grouped_vs_sequential": between, "grouped_vs_peft": against_peft,
                       "tolerance": tolerance, "trainable": facts[0]["trainable"]}))
     assert between <= tolerance and against_peft <= tolerance, (between, against_peft, tolerance)
