@@ -103,6 +103,8 @@ def main() -> None:
             "tokens_per_s_per_gpu": round(tokens), "step_s": round(step, 3),
             "mfu_full_model_flops": round(mfu, 3), "mfu_flops_run": round(mfu_run, 3),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            # what nvidia-smi shows (less the CUDA context): the allocator's cache included
+            "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 1),
             "trainable_params": getattr(module, "lora_trainable_parameters", None),
         }), flush=True)
 

@@ -49,7 +49,8 @@ class Probe(L.Callback):
         if trainer.global_rank == 0:
             torch.save(logits, self.out / "logits.pt")
             (self.out / "facts.json").write_text(json.dumps(
-                {"trainable": pl_module.lora_trainable_parameters, "base_unchanged": same}))
+                {"trainable": pl_module.lora_trainable_parameters, "base_unchanged": same,
+                 "trainable_tensors": sum(p.requires_grad for p in pl_module.parameters())}))
 
 
 def peft_and_merged_match(source, out, mcore: torch.Tensor) -> dict:

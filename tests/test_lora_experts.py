@@ -76,6 +76,10 @@ def test_expert_lora_at_ep2_exports_merged_like_peft_merge_and_unload(tmp_path):
 
     facts = json.loads((tmp_path / "facts.json").read_text())
     assert facts["base_unchanged"] and facts["trainable"] == trainable(hf, 4)
+    # One A and one B per layer and expert linear, stacked over the rank's experts (not one per
+    # expert: 128 experts x 48 layers would overflow Transformer Engine's multi-tensor kernels):
+    # per layer linear_qkv, linear_proj, experts' linear_fc1 and linear_fc2.
+    assert facts["trainable_tensors"] == hf.config.num_hidden_layers * 4 * 2
     mcore = torch.load(tmp_path / "logits.pt")
     assert (mcore - hf_logits(hf, TOKENS)).abs().max() > 1e-3, "the adapters changed nothing"
 

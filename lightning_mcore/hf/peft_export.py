@@ -31,7 +31,7 @@ from lightning_mcore.hf.export import TOKENIZER_FILES, copy_files
 from lightning_mcore.hf.export_dir import check_target, staged_dir
 from lightning_mcore.hf.mappings import Entry, FusedExperts
 from lightning_mcore.hf.transforms import Dims
-from lightning_mcore.model.lora import TARGETS, adapters_of, base_path, expert_index
+from lightning_mcore.model.lora import TARGETS, adapters_of, base_path, global_expert
 
 EXPERT_LAYOUTS = ("fused", "per_expert")
 
@@ -68,7 +68,7 @@ def experts_layout(layout: Optional[str], mode: str, has_expert_adapters: bool,
     return layout
 
 
-def _gather(t: torch.Tensor, dim: int, expert: bool = False) -> list[torch.Tensor]:
+def _gather(t: torch.Tensor, expert: bool = False) -> list[torch.Tensor]:
     """The shards of `t` over TP (a routed expert's: over expert-TP), in rank order."""
     from megatron.core import parallel_state
 
@@ -89,24 +89,25 @@ def adapter_tensors(chunks, cfg, weights: list[Entry]) -> tuple[dict, dict]:
     dims = Dims(cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads,
                 cfg.head_dim, cfg.vocab_size, cfg.vocab_size)
     dense, experts = {}, {}
-    for name, adapter, _ in adapters_of(chunks):
-        path = base_path(name)  # decoder.layers.<L>.self_attention.linear_qkv
-        layer, expert = int(path.split(".")[2]), expert_index(name)
-        short = path.rsplit(".", 1)[-1]
-        local = re.sub(r"\.local_experts\.\d+\.", ".local_experts.{E}.", path.split(".", 3)[3])
+    for name, adapter, model in adapters_of(chunks):
+        path = base_path(name)  # decoder.layers.<L>.self_attention.linear_qkv, ...mlp.experts.linear_fc1
+        layer, (head, short) = int(path.split(".")[2]), path.split(".", 3)[3].rsplit(".", 1)
+        local = f"{head}.local_experts.{{E}}.{short}" if adapter.expert else f"{head}.{short}"
         entry = entries["decoder.layers.{L}." + local + ".weight"]
-        names = entry.hf_names(layer, expert)
-        if TARGETS[short][0] == "column":
-            bs = entry.transform.save(_gather(adapter.lora_B, 0, adapter.expert), names, dims)
-            pieces = {n: (adapter.lora_A.detach(), bs[n]) for n in names}
-        else:
-            a = entry.transform.save(_gather(adapter.lora_A, 1, adapter.expert), names, dims)
-            pieces = {n: (a[n], adapter.lora_B.detach()) for n in names}
+        column = TARGETS[short][0] == "column"
+        sharded, whole = (adapter.lora_B, adapter.lora_A) if column else (adapter.lora_A, adapter.lora_B)
+        shards = _gather(sharded, adapter.expert)
         out = experts if adapter.expert else dense
-        for hf_name, (a, b) in pieces.items():
-            stem = "base_model.model." + hf_name.removesuffix(".weight")
-            out[f"{stem}.lora_A.weight"] = a.cpu().contiguous()
-            out[f"{stem}.lora_B.weight"] = b.cpu().contiguous()
+        for e in range(adapter.experts) if adapter.expert else [None]:  # experts: stacked, local index
+            names = entry.hf_names(layer, None if e is None else global_expert(e, model.config))
+            saved = entry.transform.save(shards if e is None else [s[e] for s in shards], names, dims)
+            other = whole.detach() if e is None else whole[e].detach()
+            for hf_name in names:
+                a, b = (other, saved[hf_name]) if column else (saved[hf_name], other)
+                stem = "base_model.model." + hf_name.removesuffix(".weight")
+                # copies: an expert's factor is a view of the stacked one (safetensors refuses shared storage)
+                out[f"{stem}.lora_A.weight"] = a.to("cpu", copy=True).contiguous()
+                out[f"{stem}.lora_B.weight"] = b.to("cpu", copy=True).contiguous()
     return dense, experts
 
 

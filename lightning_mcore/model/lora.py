@@ -11,13 +11,16 @@ sharded follows the base layer, so no rank ever holds a full base-sized product:
         h = A x is partial: all-reduce it (sequence parallel: reduce-scatter over the sequence,
         and B's gradient is summed over TP like A's above)
 
-MoE experts get one A/B per expert, living on the expert's EP rank and named by the global
-expert index as mlp.experts.local_experts.<e>.linear_fc1/linear_fc2 (so checkpoints reshard
-across EP and load into either expert implementation): the local SequentialMLP hooks each
-expert's linear; Transformer Engine's grouped GEMM (TEGroupedMLP: one linear over all local
-experts, weight<e> each, tokens in expert order with per-expert counts m_splits) takes one hook
-that splits its input by m_splits and runs each expert's adapter on its rows
-(model/lora_grouped.py). Their linears do no communication themselves (the token
+MoE experts get one A/B per expert, stacked per layer and linear: mlp.experts.linear_fc1's
+lora_A [local experts, r, in] and lora_B [local experts, out, r] on each EP rank, saved as one
+tensor over all experts ([experts, r, in], this rank's at its EP offset), so checkpoints reshard
+across EP and load into either expert implementation. One parameter per layer and factor, not
+per expert: 128 experts x 48 layers would otherwise make ~25k tiny tensors, more than Transformer
+Engine's multi-tensor optimizer kernels take in one call (its handle pool) and a host loop per
+tensor in mcore's optimizer. The local SequentialMLP hooks each expert's linear with its slice;
+Transformer Engine's grouped GEMM (TEGroupedMLP: one linear over all local experts, weight<e>
+each, tokens in expert order with per-expert counts m_splits) takes one hook that splits its
+input by m_splits and runs each expert's factors on its rows (model/lora_grouped.py). Their linears do no communication themselves (the token
 dispatcher does), so neither does their adapter; they are marked like mcore's expert weights
 (`allreduce = False`: gradients reduced over the expert-data-parallel group).
 
@@ -155,20 +158,25 @@ def resolve_targets(target_modules) -> tuple[str, ...]:
 
 
 class LoRAAdapter(torch.nn.Module):
-    """A, B of one base linear; `forward(x)` is the scaled low-rank update of its output."""
+    """A, B of one base linear; `forward(x)` is the scaled low-rank update of its output. With
+    `experts` > 0, the A, B of that many local experts' linears, stacked on a leading dimension
+    (`forward(x, e)`: expert e's update)."""
 
     def __init__(self, kind: str, in_features: int, out_features: int, lora: LoRAConfig,
                  sequence_parallel: bool, dtype: torch.dtype, device, gated: bool = False,
-                 expert: bool = False) -> None:
+                 experts: int = 0) -> None:
         super().__init__()
         self.gated = gated  # linear_fc1 of SwiGLU: output rows are [gate; up] per TP rank
-        self.expert = expert  # a routed expert's linear: sharded over expert-TP, not TP
+        self.expert = expert = experts > 0  # routed experts' linears: sharded over expert-TP
+        self.experts = experts
         tp = _tp_size(expert)
         self.kind, self.scale, self.sequence_parallel = kind, lora.scale, sequence_parallel
         a_in = in_features // tp if kind == "row" else in_features
         b_out = out_features // tp if kind == "column" else out_features
-        self.lora_A = torch.nn.Parameter(torch.empty(lora.rank, a_in, dtype=dtype, device=device))
-        self.lora_B = torch.nn.Parameter(torch.zeros(b_out, lora.rank, dtype=dtype, device=device))
+        lead = (experts,) if expert else ()
+        self.lora_A = torch.nn.Parameter(torch.empty(*lead, lora.rank, a_in, dtype=dtype, device=device))
+        self.lora_B = torch.nn.Parameter(torch.zeros(*lead, b_out, lora.rank, dtype=dtype, device=device))
+        self.bases: list[tuple[str, str]] = []  # (base module path in its layer, weight name) per expert
         # Replicated parameters used on sequence shards: mcore sums their gradients over TP.
         (self.lora_A if kind == "column" else self.lora_B).sequence_parallel = sequence_parallel
         (self.lora_B if kind == "column" else self.lora_A).lora_sharded = tp > 1
@@ -195,12 +203,19 @@ class LoRAAdapter(torch.nn.Module):
 
     @property
     def tp_axis(self) -> dict:
+        """The factor sharded over TP and its axis (of one expert's factor for experts)."""
         return {"lora_B": 0} if self.kind == "column" else {"lora_A": 1}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert: Optional[int] = None) -> torch.Tensor:
+        if expert is None:
+            return self.update(x, self.lora_A, self.lora_B)
+        return self.update(x, self.lora_A[expert], self.lora_B[expert])
+
+    def update(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """scale * b a x (dropout on x): `a`, `b` are this adapter's factors or one expert's."""
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
-        h = F.linear(x, self.lora_A)
+        h = F.linear(x, a)
         if self.expert:  # tokens already dispatched to this expert; its linears do no comms
             pass
         elif self.kind == "column":
@@ -209,11 +224,12 @@ class LoRAAdapter(torch.nn.Module):
         else:
             h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
                  else mappings.reduce_from_tensor_model_parallel_region(h))
-        return F.linear(h, self.lora_B) * self.scale
+        return F.linear(h, b) * self.scale
 
-    def delta(self) -> torch.Tensor:
-        """scale * B A for this rank's shard of the base weight."""
-        return (self.lora_B.float() @ self.lora_A.float()) * self.scale
+    def delta(self, expert: Optional[int] = None) -> torch.Tensor:
+        """scale * B A for this rank's shard of the base weight (of local expert `expert`)."""
+        a, b = (self.lora_A, self.lora_B) if expert is None else (self.lora_A[expert], self.lora_B[expert])
+        return (b.float() @ a.float()) * self.scale
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
@@ -227,25 +243,32 @@ class LoRAAdapter(torch.nn.Module):
         return out
 
     def _expert_sharded_state_dict(self, prefix: str) -> dict:
-        """A and B under the global expert's key (in `prefix`): the sharded factor at its
-        expert-TP offset, the replicated one whole (a replica on every expert-TP rank but the
-        first); replicated over the expert-data-parallel group (other EP ranks hold other
-        experts). So checkpoints reshard across EP and expert-TP."""
+        """A and B as tensors over all experts ([experts, r, in], [experts, out, r]) with this
+        rank's experts at its EP offset; the sharded factor also at its expert-TP offset, the
+        replicated one whole (a replica on every expert-TP rank but the first); replicated over
+        the expert-data-parallel group. So checkpoints reshard across EP and expert-TP.
+
+            fc1 B, ETP=2, EP=2:  global [E, 2*ffn, r] = rows [gate; up] of every expert
+              (ep0, etp0) holds experts [0, E/2), rows [gate_0; up_0]  (gate_0 = gate rows 0..ffn/2)
+        """
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
         etp, etp_rank = _tp_size(True), _tp_rank(True)
         dp_rank = parallel_state.get_expert_data_parallel_rank()
+        by_ep = (0, parallel_state.get_expert_model_parallel_rank(),
+                 parallel_state.get_expert_model_parallel_world_size())
         (sharded, axis), = self.tp_axis.items()
         out = {}
         for n, p in self.named_parameters():
             key = f"{prefix}{n}"
-            if n == sharded and etp > 1:
-                out[key] = ShardedTensor.from_rank_offsets(key, p, (axis, etp_rank, etp), replica_id=(0, 0, dp_rank))
-                if self.gated:  # B's rows are [gate_i; up_i] per rank: saved as [gate; up]
-                    out[key] = apply_swiglu_sharded_factory(out[key], ())
+            if n != sharded or etp == 1:
+                replica = etp_rank if n != sharded else 0
+                out[key] = ShardedTensor.from_rank_offsets(key, p, by_ep, replica_id=(0, replica, dp_rank))
+            elif self.gated:  # B's rows are [gate_i; up_i] per rank: saved as [gate; up]
+                out[key] = _gated_rows_factory(key, p, by_ep, etp_rank, etp, (0, 0, dp_rank))
             else:
-                out[key] = ShardedTensor.from_rank_offsets(key, p, replica_id=(0, etp_rank, dp_rank))
+                out[key] = ShardedTensor.from_rank_offsets(key, p, by_ep, (axis + 1, etp_rank, etp),
+                                                           replica_id=(0, 0, dp_rank))
         return out
 
 
@@ -257,6 +280,23 @@ class LoRAAdapters(torch.nn.ModuleDict):
         for name, adapter in self.items():
             out.update(adapter.sharded_state_dict(f"{prefix}{name}."))
         return out
+
+
+def _gated_rows_factory(key: str, data: torch.Tensor, by_ep: tuple, rank: int, size: int, replica_id):
+    """Stacked SwiGLU fc1 B [experts, 2*ffn/etp, r] holding rows [gate_i; up_i] of ETP rank i,
+    saved as the global [experts, 2*ffn, r] with rows [gate; up]: the two halves are separate
+    shards of axis 1 (mcore's apply_swiglu_sharded_factory, on axis 1 of a stacked tensor)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def build(key, t, replica_id, flattened_range):
+        gate, up = torch.chunk(t, 2, dim=1)
+        return [ShardedTensor.from_rank_offsets(key, gate, by_ep, (1, rank, 2 * size), replica_id=replica_id),
+                ShardedTensor.from_rank_offsets(key, up, by_ep, (1, rank + size, 2 * size), replica_id=replica_id)]
+
+    def merge(parts):
+        return torch.cat(parts, dim=1)
+
+    return ShardedTensorFactory(key, data, build, merge, replica_id)
 
 
 def adapter_name(layer_number: int, path: str) -> str:
@@ -292,9 +332,8 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
                     if not adapt_experts:
                         continue  # experts=False: the dense and shared-expert MLPs only
                     _check_experts(path, module, lora)
-                    if is_grouped_linear(module):
-                        attach_grouped(adapters, layer.layer_number, path, module, lora, seed)
-                        continue
+                    _attach_expert(adapters, layer, path, module, lora, seed)
+                    continue
                 _attach(adapters, layer.layer_number, path, module, lora, seed)
             if adapt_experts:
                 _refuse_unadapted_experts(layer, adapters)
@@ -359,14 +398,13 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     weight = getattr(module, "weight", None)
     if weight is None or weight.dim() != 2:
         raise LoRAError(f"LoRA cannot adapt {path} ({type(module).__name__}): no 2-D weight.")
-    expert = ".local_experts." in f".{path}"
-    out_f, in_f = _full_shape(kind, weight, expert)
-    sp = not expert and bool(getattr(module.config, "sequence_parallel", False))
+    out_f, in_f = _full_shape(kind, weight, False)
+    sp = bool(getattr(module.config, "sequence_parallel", False))
     gated = path.endswith("linear_fc1") and bool(getattr(module.config, "gated_linear_unit", False))
-    adapter = LoRAAdapter(kind, in_f, out_f, lora, sp, weight.dtype, weight.device, gated, expert)
-    adapter.local_path = path  # the base layer inside its decoder layer (set_merged)
-    name = adapter_name(layer_number, _global_expert_path(path, module.config) if expert else path)
-    _init_a(adapter, name, in_f, seed)
+    adapter = LoRAAdapter(kind, in_f, out_f, lora, sp, weight.dtype, weight.device, gated)
+    adapter.bases = [(path, "weight")]
+    name = adapter_name(layer_number, path)
+    _init_a(adapter.lora_A, name, in_f, seed, kind, False)
     adapters[name] = adapter
     fused_norm = hasattr(module, "return_layernorm_output")  # TE LayerNorm+Linear
     if fused_norm:
@@ -376,29 +414,36 @@ def _attach(adapters, layer_number: int, path: str, module, lora: LoRAConfig, se
     module.register_forward_hook(_hook(adapter, fused_norm), with_kwargs=True, prepend=True)
 
 
-def attach_grouped(adapters, layer_number: int, path: str, module, lora: LoRAConfig, seed: int) -> None:
-    """One adapter per local expert of a TE grouped linear (mlp.experts.linear_fc1 / fc2), named
-    as the SequentialMLP experts' adapters; one hook runs each on its expert's rows."""
-    head, short = path.rsplit(".", 1)
-    kind = TARGETS[short][0]
-    gated = short == "linear_fc1" and bool(getattr(module.config, "gated_linear_unit", False))
-    local_adapters = []
-    for local, weight in enumerate(expert_weights(module)):
+def _attach_expert(adapters, layer, path: str, module, lora: LoRAConfig, seed: int) -> None:
+    """Hook a routed expert linear to the layer's stacked adapter (mlp.experts.linear_fc1 /
+    fc2), made when the first of its experts is met: SequentialMLP's local_experts.<e>.linear_fc1
+    runs slice e; TE's grouped linear (all local experts, weight<e>) runs each slice on its
+    expert's rows."""
+    short = path.rsplit(".", 1)[-1]
+    head = path.split(".local_experts.")[0] if ".local_experts." in path else path.rsplit(".", 1)[0]  # mlp.experts
+    experts = layer.get_submodule(head)
+    name = adapter_name(layer.layer_number, f"{head}.{short}")
+    if name not in adapters:
+        kind = TARGETS[short][0]
+        weight = expert_weights(module)[0]
         out_f, in_f = _full_shape(kind, weight, True)
-        adapter = LoRAAdapter(kind, in_f, out_f, lora, False, weight.dtype, weight.device, gated, expert=True)
-        adapter.local_path, adapter.weight_name = path, f"weight{local}"  # set_merged
-        name = adapter_name(layer_number, f"{head}.local_experts.{global_expert(local, module.config)}.{short}")
-        _init_a(adapter, name, in_f, seed)
+        gated = short == "linear_fc1" and bool(getattr(module.config, "gated_linear_unit", False))
+        count = experts.num_local_experts
+        adapter = LoRAAdapter(kind, in_f, out_f, lora, False, weight.dtype, weight.device, gated, count)
+        adapter.bases = [("", "")] * count
+        for local in range(count):  # each expert's A as its own adapter would draw it
+            expert_name = adapter_name(layer.layer_number, f"{head}.local_experts."
+                                       f"{global_expert(local, module.config)}.{short}")
+            _init_a(adapter.lora_A[local], expert_name, in_f, seed, kind, True)
         adapters[name] = adapter
-        local_adapters.append(adapter)
-    module.register_forward_hook(grouped_hook(local_adapters), with_kwargs=True, prepend=True)
-
-
-def _global_expert_path(path: str, config) -> str:
-    """'mlp.experts.local_experts.<local>.x' -> the same with the global expert index."""
-    head, tail = path.split(".local_experts.", 1)
-    local, rest = tail.split(".", 1)
-    return f"{head}.local_experts.{global_expert(int(local), config)}.{rest}"
+    adapter = adapters[name]
+    if is_grouped_linear(module):
+        adapter.bases = [(path, f"weight{e}") for e in range(adapter.experts)]
+        module.register_forward_hook(grouped_hook(adapter), with_kwargs=True, prepend=True)
+    else:
+        local = int(path.split(".local_experts.")[1].split(".")[0])
+        adapter.bases[local] = (path, "weight")
+        module.register_forward_hook(_hook(adapter, False, local), with_kwargs=True, prepend=True)
 
 
 def global_expert(local: int, config) -> int:
@@ -406,15 +451,7 @@ def global_expert(local: int, config) -> int:
     return parallel_state.get_expert_model_parallel_rank() * per_rank + local
 
 
-def expert_index(name: str) -> Optional[int]:
-    """The global expert of an adapter name (None: not an expert's)."""
-    path = base_path(name)
-    if ".local_experts." not in path:
-        return None
-    return int(path.split(".local_experts.", 1)[1].split(".", 1)[0])
-
-
-def _hook(adapter: LoRAAdapter, fused_norm: bool):
+def _hook(adapter: LoRAAdapter, fused_norm: bool, expert: Optional[int] = None):
     def hook(module, args, kwargs, output):
         out, bias = output if isinstance(output, tuple) else (output, None)
         if fused_norm:
@@ -422,22 +459,23 @@ def _hook(adapter: LoRAAdapter, fused_norm: bool):
         else:
             x = args[0] if args else next(iter(kwargs.values()))
         if adapter.enabled and not adapter.merged:
-            out = out + adapter(x).to(out.dtype)
+            out = out + adapter(x, expert).to(out.dtype)
         return out, bias
 
     return hook
 
 
 @torch.no_grad()
-def _init_a(adapter: LoRAAdapter, name: str, in_features: int, seed: int) -> None:
-    """peft's kaiming-uniform(a=sqrt(5)) for A, drawn for the full A from a generator seeded by
-    the adapter's name, then sliced: the same adapters at any TP/PP layout. B starts at 0."""
+def _init_a(a: torch.Tensor, name: str, in_features: int, seed: int, kind: str, expert: bool) -> None:
+    """peft's kaiming-uniform(a=sqrt(5)) for A (`a`: an adapter's, or one expert's slice), drawn
+    for the full A from a generator seeded by the adapter's name (an expert's: as if it had its
+    own adapter), then sliced: the same adapters at any TP/PP/EP layout. B starts at 0."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) on fan_in
-    full = torch.empty(adapter.lora_A.shape[0], in_features, device="cpu").uniform_(-bound, bound, generator=gen)
-    if adapter.kind == "row":  # A is sharded along the input, over TP (experts: expert-TP)
-        full = full.chunk(_tp_size(adapter.expert), dim=1)[_tp_rank(adapter.expert)]
-    adapter.lora_A.copy_(full)
+    full = torch.empty(a.shape[0], in_features, device="cpu").uniform_(-bound, bound, generator=gen)
+    if kind == "row":  # A is sharded along the input, over TP (experts: expert-TP)
+        full = full.chunk(_tp_size(expert), dim=1)[_tp_rank(expert)]
+    a.copy_(full)
 
 
 def with_expert_tp_grad_sums(finalize_model_grads):
@@ -487,14 +525,15 @@ def set_merged(chunks, merged: bool) -> None:
         if adapter.merged == merged:
             continue
         layer_index, _ = _split(name)
-        base = _base_module(model, layer_index, adapter.local_path)
-        weight = getattr(base, getattr(adapter, "weight_name", "weight"))  # grouped: weight<e>
-        if merged:
-            adapter.original = weight.detach().to("cpu", copy=True)
-            weight.copy_((weight.float() + adapter.delta()).to(weight.dtype))
-        else:
-            weight.copy_(adapter.original.to(weight.device))
-            adapter.original = None
+        originals = []
+        for i, (path, weight_name) in enumerate(adapter.bases):  # experts: one per local expert
+            weight = getattr(_base_module(model, layer_index, path), weight_name)  # grouped: weight<e>
+            if merged:
+                originals.append(weight.detach().to("cpu", copy=True))
+                weight.copy_((weight.float() + adapter.delta(i if adapter.expert else None)).to(weight.dtype))
+            else:
+                weight.copy_(adapter.original[i].to(weight.device))
+        adapter.original = originals if merged else None
         adapter.merged = merged
 
 

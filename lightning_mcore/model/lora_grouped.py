@@ -6,8 +6,8 @@ per-expert counts m_splits:
 
     x [t_0 + t_1 + ... , in]  --split by m_splits-->  x_e [t_e, in]  ->  x_e W_e^T  (one call)
 
-An adapter per local expert (the same A/B, names and checkpoint keys as the SequentialMLP's)
-adds scale * B_e A_e x_e to its expert's rows, from one forward hook on the grouped linear.
+The layer's stacked expert adapter (the same as the SequentialMLP's: names, A/B, checkpoint
+keys) adds scale * B_e A_e x_e to expert e's rows, from one forward hook on the grouped linear.
 """
 
 from __future__ import annotations
@@ -27,22 +27,24 @@ def expert_weights(module) -> list[torch.Tensor]:
     return [module.weight]
 
 
-def grouped_hook(adapters):
-    """Forward hook adding each local expert's adapter update to its rows of the output."""
+def grouped_hook(adapter):
+    """Forward hook adding each local expert's update (its slice of the stacked `adapter`) to
+    its rows of the output."""
 
     def hook(module, args, kwargs, output):
         out, bias = output if isinstance(output, tuple) else (output, None)
         x = args[0] if args else next(iter(kwargs.values()))
         splits = args[1] if len(args) > 1 else kwargs["m_splits"]
         splits = splits.tolist() if torch.is_tensor(splits) else [int(s) for s in splits]
-        if len(splits) != len(adapters):
+        if len(splits) != adapter.experts:
             raise RuntimeError(f"grouped linear got {len(splits)} token counts for "
-                               f"{len(adapters)} local experts")
-        live = [a.enabled and not a.merged for a in adapters]
-        if any(live):
-            rows = x.split(splits)
-            delta = torch.cat([a(r).to(out.dtype) if on else r.new_zeros(r.shape[0], out.shape[-1], dtype=out.dtype)
-                               for a, r, on in zip(adapters, rows, live)])
+                               f"{adapter.experts} local experts")
+        if adapter.enabled and not adapter.merged:
+            # unbind once: its backward stacks the experts' gradients in one op (indexing per
+            # expert would write a full-size gradient per expert)
+            a, b = adapter.lora_A.unbind(0), adapter.lora_B.unbind(0)
+            delta = torch.cat([adapter.update(rows, a[e], b[e]).to(out.dtype)
+                               for e, rows in enumerate(x.split(splits))])
             out = out + delta
         return (out, bias) if isinstance(output, tuple) else out
 
