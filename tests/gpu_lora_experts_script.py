@@ -31,7 +31,9 @@ class Export(L.Callback):
             torch.save(logits, self.out / "logits.pt")
             (self.out / "facts.json").write_text(json.dumps(
                 {"trainable": pl_module.lora_trainable_parameters,
-                 "grouped": pl_module.model_config.moe_grouped_gemm}))
+                 "grouped": pl_module.model_config.moe_grouped_gemm,
+                 "experts": sorted({type(m).__name__ for m in pl_module.modules() if m.__class__.__name__.endswith("MLP")
+                                    and hasattr(m, "num_local_experts")})}))
 
 
 def main(accelerator: str, precision: str, root: Path) -> None:

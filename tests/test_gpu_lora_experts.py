@@ -46,6 +46,7 @@ def test_grouped_gemm_expert_lora_trains_like_sequential_and_exports_to_peft(tmp
     grouped, sequential = (torch.load(tmp_path / c["name"] / "logits.pt") for c in CASES)
     facts = [json.loads((tmp_path / c["name"] / "facts.json").read_text()) for c in CASES]
     assert [f["grouped"] for f in facts] == [True, False] and facts[0]["trainable"] == facts[1]["trainable"]
+    assert [f["experts"] for f in facts] == [["TEGroupedMLP"], ["SequentialMLP"]], facts
     probe = tokens[:2, :-1]
     base = hf_logits(hf, probe)
     tolerance = bf16_tolerance(hf, probe)
