@@ -9,6 +9,7 @@ from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.dpo import DPOModule
+from lightning_mcore.objectives.kto import KTOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
 from lightning_mcore.objectives.sft import SFTModule
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
@@ -22,6 +23,7 @@ __all__ = [
     "DPOModule",
     "GPTConfig",
     "HFExport",
+    "KTOModule",
     "LayoutError",
     "LoRAConfig",
     "MegatronModule",

@@ -1,9 +1,10 @@
 """Training data fed per data-parallel rank, resumable mid-epoch: packed token sequences for
 pretraining, chat conversations with assistant-only loss for fine-tuning, preference pairs one
-per row for DPO."""
+per row for DPO, unpaired labelled examples one per row for KTO."""
 
 from lightning_mcore.data.dpo import DPODataModule
 from lightning_mcore.data.indexed import HFTokenizerAdapter, build_indexed_datasets
+from lightning_mcore.data.kto import KTODataModule
 from lightning_mcore.data.pretrain import PackedSequences, PretrainDataModule
 from lightning_mcore.data.sampler import DataParallelSampler
 from lightning_mcore.data.sft import SFTDataModule
@@ -12,6 +13,7 @@ __all__ = [
     "DPODataModule",
     "DataParallelSampler",
     "HFTokenizerAdapter",
+    "KTODataModule",
     "PackedSequences",
     "PretrainDataModule",
     "SFTDataModule",

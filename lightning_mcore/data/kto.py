@@ -1,0 +1,288 @@
+"""LightningDataModule for unpaired feedback (KTO): a prompt, a completion and a boolean label.
+
+Batches are the DPO batches (``[B, S]`` ``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
+``segment_ids``) plus ``label`` ``[B]`` (1.0: desirable, 0.0: undesirable), ONE ROW PER EXAMPLE:
+the prompt with its own completion (segment 1), then the same prompt with a mismatched
+completion (segment 2), then padding. The mismatched completion is the next record's (the last
+record takes the first one's), as trl pairs prompt i with completion i + 1: its log-probability
+under the policy and the reference estimates KTO's KL reference point. The loss mask covers the
+completions only.
+
+Records (``columns`` maps the names, ``roles`` the role names as for SFT):
+
+* strings: ``prompt`` (read as a user turn) and ``completion`` (the assistant's reply);
+* message lists: ``prompt`` (the turns before the reply) and ``completion`` (ending with the
+  assistant's reply);
+
+and ``label``: true (desirable) or false (undesirable).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+from lightning_mcore.data import peek
+from lightning_mcore.data.chat import ChatFormat, resolve_template, tokenize_conversation
+from lightning_mcore.data.dpo import fit_pairs
+from lightning_mcore.data.feeding import DataParallelDataModule
+from lightning_mcore.data.packing import efficiency
+from lightning_mcore.data.sft import (
+    SFTRows,
+    check_options,
+    check_template,
+    load_records,
+    map_cached,
+    naming_files,
+    split_samples,
+)
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("prompt", "completion", "label", "role", "content")
+REQUIRED = {"prompt": "prompts", "completion": "completions", "label": "true/false labels"}
+MISMATCHED = "__kto_mismatched_completion"  # the next record's completion, added before tokenizing
+EMPTY, EMPTY_MISMATCHED = "empty completion", "empty mismatched completion"
+
+
+@dataclass(frozen=True)
+class UnpairedFormat:
+    """Where records hold an example: the dataset's columns for ``prompt``, ``completion`` and
+    ``label``, and a ``ChatFormat`` reading message lists."""
+
+    names: Mapping[str, str]
+    chat: ChatFormat
+
+    @classmethod
+    def detect(
+        cls,
+        column_names: Sequence[str],
+        columns: Optional[Mapping[str, str]] = None,
+        roles: Optional[Mapping[str, str]] = None,
+    ) -> "UnpairedFormat":
+        """Check the dataset's columns up front: a missing one is named with the fix."""
+        unknown = sorted(set(columns or {}) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"columns maps unknown fields {unknown}: the fields are {FIELDS}")
+        names: dict = {field: field for field in FIELDS} | dict(columns or {})
+        have = list(column_names)
+        for field, what in REQUIRED.items():
+            if names[field] not in have:
+                raise ValueError(
+                    f"column {names[field]!r} ({what}) not found; columns found: {have}; KTO "
+                    f"data needs {list(REQUIRED)}: name yours with columns={{{field!r}: "
+                    "'your_column'}"
+                )
+        turns = {"role": names.pop("role"), "content": names.pop("content")}
+        return cls(names, ChatFormat("messages", turns, dict(roles or {})))
+
+    @property
+    def record_columns(self) -> list[str]:
+        return [self.names[f] for f in REQUIRED]
+
+    def read(self, record: Mapping, index: int) -> tuple[list[dict], bool]:
+        """The example's conversation (``[{"role", "content"}]``, ending with the completion)
+        and its label."""
+        where, label = f"sample {index}", record.get(self.names["label"])
+        if not isinstance(label, bool):
+            raise ValueError(
+                f"{where}: {self.names['label']!r} must be true (desirable) or false "
+                f"(undesirable), got {label!r}"
+            )
+        return self.conversation(record, record.get(self.names["completion"]), where), label
+
+    def conversation(self, record: Mapping, completion: Any, where: str) -> list[dict]:
+        """The record's prompt followed by ``completion`` (its own or another record's)."""
+        prompt, name = record.get(self.names["prompt"]), self.names
+        kinds = (type(prompt).__name__, type(completion).__name__)
+        if kinds == ("str", "str"):
+            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        if kinds != ("list", "list"):
+            raise ValueError(
+                f"{where}: {name['prompt']!r} and {name['completion']!r} must both be strings or "
+                f"both message lists, got {kinds[0]} and {kinds[1]}"
+            )
+        turns = self.chat.read_messages(prompt, f"{where}, prompt")
+        turns += self.chat.read_messages(completion, f"{where}, completion")
+        if not turns or turns[-1]["role"] != "assistant":
+            last = turns[-1]["role"] if turns else "nothing"
+            raise ValueError(f"{where}: the completion must end with the assistant's reply, but ends with {last}")
+        return turns
+
+
+class UnpairedRows(SFTRows):
+    """``SFTRows`` whose rows also carry their example's ``label`` (1.0 desirable)."""
+
+    def __init__(self, tokenized: Any, rows: list[list[int]], seq_length: int, pad_id: int,
+                 labels: Sequence[bool]):
+        super().__init__(tokenized, rows, seq_length, pad_id)
+        self.labels = [float(v) for v in labels]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(index), "label": torch.tensor(self.labels[index])}
+
+
+class KTODataModule(DataParallelDataModule):
+    """Unpaired desirable/undesirable examples from jsonl/json/parquet files or ``save_to_disk``
+    directories, one row per example (its completion | a mismatched one, see the module doc).
+
+    Args:
+        paths: files or globs (``.jsonl``/``.json``, ``.parquet``) or saved dataset directories.
+        tokenizer: path to an HF tokenizer directory.
+        seq_length: tokens per row ``S``: both conversations of the row together.
+        columns: our field names (``prompt``, ``completion``, ``label``, ``role``, ``content``)
+            to the dataset's, e.g. ``{"label": "thumbs_up"}``.
+        roles: the dataset's role names to ours, e.g. ``{"human": "user", "gpt": "assistant"}``.
+        chat_template: None (the tokenizer's), ``"chatml"`` (built in) or a Jinja template.
+        val_split: fraction of the examples held out for validation (0: none).
+        seed: seed of the split and of the per-epoch shuffle.
+        shuffle: reshuffle training rows every epoch.
+        num_workers: DataLoader worker processes.
+        num_proc: processes for tokenizing with ``datasets.map``.
+        cache_dir: ``datasets`` cache directory (its default when None).
+
+    Examples that cannot be trained on are dropped and counted, never cut: an empty completion
+    (or an empty mismatched one), a prompt longer than ``S``, or a row longer than ``S``. After
+    ``setup``, ``stats`` holds the counts by reason and per split the examples (desirable ones
+    too), their tokens and the fraction of row positions they fill.
+    """
+
+    def __init__(
+        self,
+        paths: Union[str, list[str]],
+        tokenizer: str,
+        seq_length: int,
+        columns: Optional[dict[str, str]] = None,
+        roles: Optional[dict[str, str]] = None,
+        chat_template: Optional[str] = None,
+        val_split: float = 0.0,
+        seed: int = 1234,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        num_proc: Optional[int] = None,
+        cache_dir: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.paths = [paths] if isinstance(paths, str) else list(paths)
+        check_options(self.paths, seq_length, val_split, tokenizer)
+        self.save_hyperparameters()
+        self.stats: dict[str, Any] = {}
+        check_template(self, chat_template)
+        peek.check_records(self.paths, lambda names: UnpairedFormat.detect(names, columns, roles).read)
+
+    def prepare_data(self) -> None:
+        """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
+        self._tokenize()
+
+    def _tokenize(self) -> Any:
+        """Two tokenized rows per example: ``2 * i`` its conversation, ``2 * i + 1`` its prompt
+        with record ``i + 1``'s completion (cyclic)."""
+        import datasets
+
+        hp = self.hparams
+        records = load_records(self.paths, hp.cache_dir)
+        fmt = UnpairedFormat.detect(records.column_names, hp.columns, hp.roles)
+        records = records.select_columns(fmt.record_columns)
+        completion = fmt.names["completion"]
+        others = records[completion]
+        records = records.add_column(MISMATCHED, others[1:] + others[:1],
+                                     feature=records.features[completion])
+        template = resolve_template(self.tokenizer, hp.chat_template)
+        ints, mask = datasets.Value("int32"), datasets.Sequence(datasets.Value("int8"))
+        ids = datasets.Sequence(datasets.Value("int32"))
+        features = dict(input_ids=ids, assistant_mask=mask, length=ints, prompt_length=ints,
+                        label=datasets.Value("int8"), dropped=datasets.Value("string"))
+        how = [sorted(fmt.names.items()), sorted(fmt.chat.names.items()), sorted(fmt.chat.roles.items())]
+        with naming_files(self.paths):
+            return map_cached(
+                records,
+                _tokenize_batch,
+                features,
+                key=("kto", self.tokenizer, template, how),
+                fn_kwargs={"tokenizer": self.tokenizer, "fmt": fmt, "template": template,
+                           "count": len(records)},
+                num_proc=hp.num_proc,
+                cache_dir=hp.cache_dir,
+                desc="Tokenizing KTO examples",
+            )
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_dataset is not None:
+            return
+        hp, tokenized = self.hparams, self._tokenize()
+        columns = ["length", "prompt_length", "label", "dropped"]
+        numbers = tokenized.select_columns(columns).with_format("numpy")[:]
+        lengths = numbers["length"].reshape(-1, 2)
+        dropped = Counter(r for r in numbers["dropped"][::2].tolist() if r)
+        keep, lost = fit_pairs(lengths, numbers["prompt_length"][::2], hp.seq_length)
+        dropped.update(lost)
+        self.stats = {"examples": len(lengths), "dropped": dict(dropped)}
+        if len(keep) == 0:
+            raise ValueError(f"no example left to train on of {len(lengths)}: {dict(dropped)}")
+        train, val = split_samples(keep.tolist(), hp.val_split, hp.seed, "examples")
+        labels = numbers["label"][::2].astype(bool)
+        self.train_dataset = self._rows("train", tokenized, train, lengths, labels)
+        self.val_dataset = self._rows("val", tokenized, val, lengths, labels) if val else None
+        _log_stats(self.stats, hp.seq_length)
+
+    def _rows(self, split: str, tokenized: Any, examples: list[int], lengths: np.ndarray,
+              labels: np.ndarray) -> UnpairedRows:
+        S, sizes = self.hparams.seq_length, lengths[examples].sum(axis=1).tolist()
+        self.stats[split] = {
+            "examples": len(examples),
+            "desirable": int(labels[examples].sum()),
+            "tokens": sum(sizes),
+            "fill": efficiency(sizes, [[i] for i in range(len(examples))], S),
+        }
+        rows = [[2 * i, 2 * i + 1] for i in examples]
+        return UnpairedRows(tokenized, rows, S, self.pad_token_id, labels[examples].tolist())
+
+
+def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, fmt: UnpairedFormat,
+                    template: str, count: int):
+    names = ("input_ids", "assistant_mask", "length", "prompt_length", "label", "dropped")
+    out: dict[str, list] = {n: [] for n in names}
+    for row, index in enumerate(indices):
+        record = {column: values[row] for column, values in batch.items()}
+        own, label = fmt.read(record, index)
+        where = f"sample {(index + 1) % count} (its completion after sample {index}'s prompt)"
+        mismatched = fmt.conversation(record, record[MISMATCHED], where)
+        reason = EMPTY if not own[-1]["content"].strip() else ""
+        reason = reason or (EMPTY_MISMATCHED if not mismatched[-1]["content"].strip() else "")
+        sides = [([], []), ([], [])]
+        if not reason:
+            sides = [tokenize_conversation(tokenizer, turns, template, index, last_only=True)
+                     for turns in (own, mismatched)]
+            reason = EMPTY if any(1 not in mask for _, mask in sides) else ""
+        sides = [([], []), ([], [])] if reason else sides
+        # The completion is the tail of the rendering; both share the prompt's tokens before it.
+        prompt = sides[0][1].index(1) if not reason else 0
+        for ids, mask in sides:
+            out["input_ids"].append(ids)
+            out["assistant_mask"].append(mask)
+            out["length"].append(len(ids))
+            out["prompt_length"].append(prompt)
+            out["label"].append(int(label))
+            out["dropped"].append(reason)
+    return out
+
+
+@rank_zero_only
+def _log_stats(stats: Mapping[str, Any], seq_length: int) -> None:
+    train, val = stats["train"], stats.get("val")
+    log.info(
+        f"KTO data: {stats['examples']} examples; training: {train['examples']} rows of one "
+        f"example ({train['desirable']} desirable), {train['tokens']} tokens filling "
+        f"{train['fill']:.1%} of the positions" + (f"; validation: {val['examples']} examples" if val else "")
+    )
+    if stats["dropped"]:
+        log.warning(
+            f"KTO data: dropped {stats['dropped']} of {stats['examples']} examples "
+            f"(seq_length={seq_length})"
+        )
