@@ -139,27 +139,61 @@ def test_kto_layouts_agree(tmp_path):
             assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (name, runs[name], runs["tp1"])
 
 
+class RewardsByFileLabel(L.Callback):
+    """After training: beta * (policy - base) summed log-probs of every example's own completion
+    (from the model's logits, adapters on and off), averaged per label as the jsonl file gives it,
+    so a label mixed up on its way to the loss shows."""
+
+    def __init__(self, out, beta) -> None:
+        self.out, self.beta = out, beta
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_mcore.model.lora import adapters_disabled
+
+        rows = trainer.datamodule.train_dataset
+        batch = {k: torch.stack([rows[i][k] for i in range(len(rows))]) for k in ("tokens", "labels", "loss_mask", "segment_ids")}
+        mask = batch["loss_mask"] * (batch["segment_ids"] == 1)  # segment 1 attends only to itself
+
+        def logps():
+            logits = pl_module.forward_logits(batch["tokens"]).double()
+            return (torch.log_softmax(logits, -1).gather(-1, batch["labels"][..., None])[..., 0] * mask).sum(-1)
+
+        with torch.no_grad():
+            policy = logps()
+            with adapters_disabled(list(pl_module.chunks)):
+                base = logps()
+        records = [json.loads(line) for line in (SAMPLES / "kto.jsonl").read_text().splitlines()]
+        good = torch.tensor([r["label"] for r in records])
+        rewards = self.beta * (policy - base)
+        if trainer.global_rank == 0:
+            self.out.write_text(json.dumps({"desirable": float(rewards[good].mean()),
+                                            "undesirable": float(rewards[~good].mean())}))
+
+
 @pytest.mark.distributed
 def test_kto_rewards_separate_on_the_toy_data(tmp_path):
     """The bundled examples: polite correct answers desirable, rude wrong ones undesirable."""
-    out = tmp_path / "metrics.json"
+    out, by_file = tmp_path / "metrics.json", tmp_path / "by_file.json"
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=20, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[RecordMetrics(out)],
+        enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[RecordMetrics(out), RewardsByFileLabel(by_file, beta=0.1)],
         strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=4, start_method="fork"),
     )
     config = tiny_config(num_layers=2, hidden_size=128, ffn_hidden_size=352, vocab_size=512, seq_length=256)
     module = KTOModule(config, OptimizerSettings(lr=1e-2, warmup_steps=2, min_lr=1e-3),
                        lora=LoRAConfig(rank=8, alpha=16.0), beta=0.1)
     data = KTODataModule(str(SAMPLES / "kto.jsonl"), str(SAMPLES / "tokenizer"), 256,
-                         chat_template="chatml", cache_dir=str(tmp_path / "cache"))
+                         chat_template="chatml", shuffle=True, cache_dir=str(tmp_path / "cache"))
     trainer.fit(module, data)
     rows = json.loads(out.read_text())
     assert rows[0]["rewards/chosen"] == 0.0 and rows[0]["rewards/rejected"] == 0.0
     last = rows[-3:]
     gap = [r["rewards/chosen"] - r["rewards/rejected"] for r in last]
-    assert min(gap) > 0.1, [(r["rewards/chosen"], r["rewards/rejected"]) for r in rows]
-    assert sum(r["loss"] for r in last) / 3 < rows[0]["loss"] - 0.02, [r["loss"] for r in rows]
+    assert min(gap) > 1.0, [(r["rewards/chosen"], r["rewards/rejected"]) for r in rows]
+    assert sum(r["loss"] for r in last) / 3 < rows[0]["loss"] - 0.1, [r["loss"] for r in rows]
+    rewards = json.loads(by_file.read_text())
+    assert rewards["desirable"] > 0 > rewards["undesirable"] and rewards["desirable"] - rewards["undesirable"] > 1.0, rewards
 
 
 # ---------------------------------------------------------------------- data
