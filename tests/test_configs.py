@@ -27,6 +27,7 @@ TOKENIZER = ROOT / "configs" / "sample_data" / "tokenizer"
 SAMPLES = {  # data module class -> bundled sample for its `paths`
     "lightning_mcore.data.SFTDataModule": "configs/sample_data/sft.jsonl",
     "lightning_mcore.data.DPODataModule": "configs/sample_data/dpo.jsonl",
+    "lightning_mcore.data.KTODataModule": "configs/sample_data/kto.jsonl",
     "lightning_mcore.data.PretrainDataModule": "configs/sample_data/sample.txt",
 }
 
@@ -262,6 +263,17 @@ def test_llama3_8b_dpo_lora(tmp_path, hf_stubs):
     assert cli.model.lora.rank == 16 and cli.model.beta == pytest.approx(0.1)
     assert cli.trainer.strategy.parallel.tensor_model_parallel_size == 2
     assert cli.datamodule.hparams.tokenizer == cli.model.hf_path
+
+
+def test_kto(tmp_path, hf_stubs):
+    cli = hf_cli("kto.yaml", tmp_path, hf_stubs, None)
+    from lightning_mcore import KTOModule
+    from lightning_mcore.data import KTODataModule
+
+    assert isinstance(cli.model, KTOModule) and isinstance(cli.datamodule, KTODataModule)
+    assert cli.model.lora.rank == 8 and cli.model.beta == pytest.approx(0.1)
+    assert (cli.model.desirable_weight, cli.model.undesirable_weight) == (1.0, 1.0)
+    assert cli.datamodule.hparams.seq_length <= cli.model.model_config.seq_length
 
 
 def test_pretrain_indexed(tmp_path, hf_stubs, indexed_prefix):
