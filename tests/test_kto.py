@@ -32,9 +32,13 @@ def examples(vocab: int, seed: int = 0):
     a label each; `raw` keeps the (ids, mask) of both sequences for the hand computation."""
     gen = torch.Generator().manual_seed(seed)
     prompts, completions = [], []
+
+    def tokens(low, high):
+        return torch.randint(0, vocab, (int(torch.randint(low, high, (1,), generator=gen)),), generator=gen).tolist()
+
     for _ in LABELS:
-        prompts.append(torch.randint(0, vocab, (int(torch.randint(4, 10, (1,), generator=gen)),), generator=gen).tolist())
-        completions.append(torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=gen)),), generator=gen).tolist())
+        prompts.append(tokens(4, 10))
+        completions.append(tokens(3, 12))
     rows, raw = [], []
     for i, (prompt, label) in enumerate(zip(prompts, LABELS)):
         samples = [(prompt + c, [0] * len(prompt) + [1] * len(c))
@@ -151,7 +155,8 @@ class RewardsByFileLabel(L.Callback):
         from lightning_mcore.model.lora import adapters_disabled
 
         rows = trainer.datamodule.train_dataset
-        batch = {k: torch.stack([rows[i][k] for i in range(len(rows))]) for k in ("tokens", "labels", "loss_mask", "segment_ids")}
+        keys = ("tokens", "labels", "loss_mask", "segment_ids")
+        batch = {k: torch.stack([rows[i][k] for i in range(len(rows))]) for k in keys}
         mask = batch["loss_mask"] * (batch["segment_ids"] == 1)  # segment 1 attends only to itself
 
         def logps():

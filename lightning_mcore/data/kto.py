@@ -112,7 +112,9 @@ class UnpairedFormat:
         turns += self.chat.read_messages(completion, f"{where}, completion")
         if not turns or turns[-1]["role"] != "assistant":
             last = turns[-1]["role"] if turns else "nothing"
-            raise ValueError(f"{where}: the completion must end with the assistant's reply, but ends with {last}")
+            raise ValueError(
+                f"{where}: the completion must end with the assistant's reply, but ends with {last}"
+            )
         return turns
 
 

@@ -71,7 +71,8 @@ class KTOModule(DPOModule):
         undesirable_weight: float = 1.0,
     ) -> None:
         super().__init__(model, optim, model_overrides, lora, beta=beta)
-        for name, value in (("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
+        weights = {"desirable_weight": desirable_weight, "undesirable_weight": undesirable_weight}
+        for name, value in weights.items():
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}.")
         if not math.isfinite(beta):
