@@ -263,3 +263,10 @@ def test_labels_that_are_not_booleans_are_refused(capsys, tmp_path, no_fit):
 def test_options_are_validated(option):
     with pytest.raises(ValueError, match=option):
         KTOModule(tiny_config(), **{option: 0.0})
+
+
+def test_batches_without_labels_are_refused():
+    """A preference-pair batch (DPODataModule) fed to KTOModule names what is missing."""
+    row = build_row([([1, 2, 3], [0, 1, 1]), ([1, 2, 4], [0, 1, 1])], 8, pad_id=0)
+    with pytest.raises(ValueError, match="'label'.*KTODataModule"):
+        KTOModule(tiny_config())._with_reference({k: v[None] for k, v in row.items()})

@@ -99,6 +99,11 @@ class KTOModule(DPOModule):
         return (total[0] / total[1]).clamp(min=0).float()
 
     def _with_reference(self, batch: dict) -> dict:
+        if "label" not in batch or "segment_ids" not in batch:
+            raise ValueError(
+                f"KTOModule trains on rows of one example with a 'label' and two segments "
+                f"(KTODataModule); this batch holds {sorted(batch)}"
+            )
         reference = self._reference_logps(batch)
         kl = self._kl_point(batch, reference)
         device, rows = batch["tokens"].device, batch["tokens"].shape[0]
