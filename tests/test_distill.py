@@ -104,3 +104,88 @@ def test_vocab_parallel_divergence_and_gradient_equal_gathered(tmp_path, name):
         errors = json.loads(Path(f"{out}.{rank}").read_text())
         assert isinstance(errors, list), errors
         assert max(errors) <= 1e-5, (rank, errors)  # divergence, cross-entropy, gradient
+
+
+# ------------------------------------------------------------------ against transformers
+def chats(n: int, vocab: int, seed: int = 0):
+    """Rows of two random (prompt, reply) samples each; loss on the replies."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, raw = [], []
+    for _ in range(n):
+        samples = []
+        for _ in range(2):
+            p, r = (int(torch.randint(3, 7, (1,), generator=gen)) for _ in range(2))
+            ids = torch.randint(0, vocab, (p + r,), generator=gen).tolist()
+            samples.append((ids, [0] * p + [1] * r))
+        raw.extend(samples)
+        rows.append(build_row(samples, SEQ, pad_id=0))
+    return rows, raw
+
+
+class RecordMetrics(L.Callback):
+    """Rank 0 writes every step's metrics; the student is exported as HF after step `export_at`."""
+
+    def __init__(self, out: Path, export_at=None) -> None:
+        self.out, self.export_at, self.rows = out, export_at, []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.rows.append({k: float(trainer.callback_metrics[f"train/{k}"]) for k in METRICS})
+        if trainer.global_step == self.export_at:
+            pl_module.save_hf_checkpoint(self.out.parent / "student")
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            self.out.write_text(json.dumps(self.rows))
+
+
+def hf_metrics(student, teacher, raw, settings) -> dict:
+    """Independent: each sample alone through both transformers models; per-token means."""
+    sums, count = torch.zeros(3, dtype=torch.float64), 0.0
+    with torch.no_grad():
+        for ids, mask in raw:
+            x = torch.tensor([ids])
+            per_token = gkd_token_loss(student(input_ids=x).logits[0, :-1].float(),
+                                       teacher(input_ids=x).logits[0, :-1].float(), x[0, 1:], settings)
+            m = torch.tensor(mask[1:], dtype=torch.float64)
+            sums += torch.stack([(v.double() * m).sum() for v in per_token])
+            count += float(m.sum())
+    return dict(zip(METRICS, (sums / count).tolist()))
+
+
+def peaked(model, directory: Path, scale: float = 10.0):
+    """The tiny random model with its output layer scaled (saved again): distributions far from
+    uniform, so that divergences are of order 1, not 1e-3."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.mark.distributed
+def test_losses_equal_hand_computation_from_transformers(tmp_path):
+    """forward KL; reverse KL at temperature 2; JSD (beta 0.5) at temperature 0.7 mixed with 30%
+    cross-entropy: step 0 from the starting models, step 1 from the student exported after one
+    update, against trl's formula on transformers' logits. A teacher of another depth."""
+    teacher_dir = tmp_path / "teacher"
+    start = peaked(make_hf_model("llama", tmp_path / "student0", seed=0), tmp_path / "student0")
+    teacher = peaked(make_hf_model("llama", teacher_dir, seed=1, num_hidden_layers=2), teacher_dir)
+    rows, raw = chats(4, 200)
+    for name, settings in SETTINGS.items():
+        run = tmp_path / name
+        run.mkdir()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False,
+            callbacks=[RecordMetrics(run / "metrics.json", export_at=1)],
+            strategy=MegatronStrategy(global_batch_size=4, micro_batch_size=2, start_method="fork"),
+        )
+        module = DistillModule(str(tmp_path / "student0"), OptimizerSettings(lr=1e-2, warmup_steps=0),
+                               teacher=str(teacher_dir), distill=settings)
+        trainer.fit(module, DataLoader(rows, batch_size=4))
+        step0, step1 = json.loads((run / "metrics.json").read_text())
+        after = AutoModelForCausalLM.from_pretrained(run / "student").eval()
+        for got, student in ((step0, start), (step1, after)):
+            want = hf_metrics(student, teacher, raw, settings)
+            for key in METRICS:
+                assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (name, key, got, want)
+        assert step1["loss"] < 0.99 * step0["loss"], (name, step0, step1)
