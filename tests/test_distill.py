@@ -189,3 +189,28 @@ def test_losses_equal_hand_computation_from_transformers(tmp_path):
             for key in METRICS:
                 assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (name, key, got, want)
         assert step1["loss"] < 0.99 * step0["loss"], (name, step0, step1)
+
+
+# ------------------------------------------------------------------ layouts
+@pytest.mark.distributed
+def test_layouts_agree(tmp_path):
+    """JSD at temperature 2 mixed with cross-entropy, a 2-layer HF teacher for a 4-layer student
+    (vocab 500, padded to 512: TP rank 1 holds 12 padding columns): TP=2+SP and PP=2 equal TP=1
+    over 3 SGD steps (equal losses: equal gradients)."""
+    teacher = tmp_path / "teacher"
+    peaked(make_hf_model("llama", teacher, seed=1, vocab_size=500, num_hidden_layers=2), teacher, 5.0)
+    rows, _ = chats(8, 500, seed=1)
+    optim = OptimizerSettings(lr=0.5, optimizer="sgd", clip_grad=0.0, weight_decay=0.0, warmup_steps=0)
+    kwargs = {"teacher": str(teacher),
+              "distill": DistillSettings(divergence="jsd", beta=0.3, temperature=2.0, sft_weight=0.2)}
+    runs = {}
+    for name, devices, parallel in (
+        ("tp1", 1, {}), ("tp2_sp", 2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+        ("pp2", 2, dict(pipeline_model_parallel_size=2)),
+    ):
+        runs[name] = fit(tmp_path, devices=devices, steps=3, optim=optim, config=tiny_config(seq_length=SEQ),
+                         dataset=rows, module_cls=DistillModule, module_kwargs=kwargs, name=name, **parallel)
+    assert runs["tp1"][-1] < runs["tp1"][0], runs["tp1"]
+    for name in ("tp2_sp", "pp2"):
+        for got, want in zip(runs[name], runs["tp1"]):
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (name, runs[name], runs["tp1"])
