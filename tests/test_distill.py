@@ -237,3 +237,66 @@ def test_student_learns_the_teacher_on_the_bundled_chats(tmp_path):
     trainer.fit(module, data)
     kl = [r["divergence"] for r in json.loads(out.read_text())]
     assert kl[-1] < kl[0] / 10, kl
+
+
+# ------------------------------------------------------------------ refusals
+def fails(capsys, monkeypatch, *args) -> str:
+    """`lightning-mcore fit --config configs/distill.yaml ARGS` exits 2 before fit, no traceback."""
+    from lightning_mcore.cli import main
+
+    def refuse(*a, **kw):
+        raise AssertionError("Trainer.fit must not start")
+
+    monkeypatch.setattr(L.Trainer, "fit", refuse)
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "configs/distill.yaml", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    return err
+
+
+def other_tokenizer(directory: Path) -> None:
+    """The bundled tokenizer with two tokens' ids swapped: the same size, other ids."""
+    base = ROOT / "configs/sample_data/tiny-llama"
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(base / name, directory / name)
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
+def test_teacher_with_another_vocabulary_or_tokenizer_is_refused(capsys, monkeypatch, tmp_path):
+    base = ROOT / "configs/sample_data/tiny-llama"
+    bigger = tmp_path / "bigger"
+    make_hf_model("llama", bigger, vocab_size=600, num_hidden_layers=1)
+    err = fails(capsys, monkeypatch, "--model.init_args.teacher", str(bigger))
+    assert f"error: model (DistillModule): teacher={bigger} has vocab_size=600" in err
+    assert "the student vocab_size=512" in err
+
+    # the same size, another tokenizer: refused against the data's tokenizer (the student is a
+    # GPTConfig) and against an HF student's own
+    renamed = tmp_path / "renamed"
+    make_hf_model("llama", renamed, vocab_size=512, num_hidden_layers=1)
+    other_tokenizer(renamed)
+    err = fails(capsys, monkeypatch, "--model.init_args.teacher", str(renamed))
+    assert f"error: model.init_args.teacher: the teacher's tokenizer ({renamed}) differs from the data's " \
+           f"(data.init_args.tokenizer=configs/sample_data/tiny-llama)" in err
+    err = fails(capsys, monkeypatch, "--model.init_args.teacher", str(renamed), "--model.init_args.model", str(base))
+    assert f"error: model (DistillModule): the teacher's tokenizer ({renamed}) differs from the student's " \
+           f"tokenizer ({base})" in err
+
+    # the bundled model teaching itself passes every check (the two tokenizer.json files equal)
+    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **kw: None)
+    from lightning_mcore.cli import main
+
+    main(["fit", "--config", "configs/distill.yaml", "--model.init_args.model", str(base),
+          "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+          "--data.init_args.cache_dir", str(tmp_path / "cache")])
+
+
+def test_on_policy_is_refused():
+    with pytest.raises(ValueError, match="lmbda=0.5: on-policy distillation"):
+        DistillSettings(lmbda=0.5)

@@ -147,17 +147,18 @@ class DistillModule(MegatronModule):
     def _check_teacher(self, teacher: str) -> None:
         """The teacher's logits index the student's vocabulary: the same size, padding and ids."""
         mine, theirs = self.model_config, self.teacher.model_config
-        student = self.hf_path or self.init_checkpoint or "the student (model)"
+        source = self.init_checkpoint or self.hf_path
+        student = f"the student ({source})" if source else "the student"
         if theirs.vocab_size != mine.vocab_size:
             raise ValueError(
-                f"teacher={teacher} has vocab_size={theirs.vocab_size}, the student {student} "
+                f"teacher={teacher} has vocab_size={theirs.vocab_size}, {student} "
                 f"vocab_size={mine.vocab_size}: distillation compares next-token distributions over "
                 f"one vocabulary; use a teacher with the student's tokenizer."
             )
         if theirs.make_vocab_size_divisible_by != mine.make_vocab_size_divisible_by:
             raise ValueError(
                 f"teacher={teacher} pads its vocab to a multiple of {theirs.make_vocab_size_divisible_by}, "
-                f"the student {student} to {mine.make_vocab_size_divisible_by}: set "
+                f"{student} to {mine.make_vocab_size_divisible_by}: set "
                 f"teacher_overrides.make_vocab_size_divisible_by={mine.make_vocab_size_divisible_by}."
             )
         mine_tok = self.hf_path or self.tokenizer_path
@@ -176,6 +177,11 @@ class DistillModule(MegatronModule):
                 f"the same token ids would mean different text to the two models; use a teacher "
                 f"and a student that share one tokenizer."
             )
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.tokenizer_path is not None:  # the data's (the CLI checks it before launching)
+            self.check_tokenizer(self.tokenizer_path, f"the data's ({self.tokenizer_path})")
 
     def configure_model(self) -> None:
         first = self.chunks is None
