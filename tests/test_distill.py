@@ -162,16 +162,46 @@ def peaked(model, directory: Path, scale: float = 10.0):
     return model
 
 
+class ExportAtEnd(L.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        pl_module.save_hf_checkpoint(self.directory)
+
+
+def teacher_checkpoint(tmp_path: Path, source: Path, rows) -> tuple[Path, Path]:
+    """One SFT step from `source`: (our checkpoint, its HF export) of the same weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_mcore import SFTModule
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=0, save_last=True),
+                   ExportAtEnd(tmp_path / "teacher-exported")],
+        strategy=MegatronStrategy(global_batch_size=4, micro_batch_size=2, start_method="fork"),
+    )
+    trainer.fit(SFTModule(str(source), OptimizerSettings(lr=1e-2, warmup_steps=0)), DataLoader(rows, batch_size=4))
+    return tmp_path / "ckpts" / "last.ckpt", tmp_path / "teacher-exported"
+
+
 @pytest.mark.distributed
 def test_losses_equal_hand_computation_from_transformers(tmp_path):
     """forward KL; reverse KL at temperature 2; JSD (beta 0.5) at temperature 0.7 mixed with 30%
     cross-entropy: step 0 from the starting models, step 1 from the student exported after one
-    update, against trl's formula on transformers' logits. A teacher of another depth."""
+    update, against trl's formula on transformers' logits. A teacher of another depth, given as
+    an HF directory, then (JSD) as one of our checkpoints."""
     teacher_dir = tmp_path / "teacher"
     start = peaked(make_hf_model("llama", tmp_path / "student0", seed=0), tmp_path / "student0")
-    teacher = peaked(make_hf_model("llama", teacher_dir, seed=1, num_hidden_layers=2), teacher_dir)
+    peaked(make_hf_model("llama", teacher_dir, seed=1, num_hidden_layers=2), teacher_dir)
     rows, raw = chats(4, 200)
+    checkpoint, exported = teacher_checkpoint(tmp_path, teacher_dir, rows)
     for name, settings in SETTINGS.items():
+        if name == "jsd_mixed":
+            teacher_dir = checkpoint
+        teacher = AutoModelForCausalLM.from_pretrained(exported if name == "jsd_mixed" else teacher_dir).eval()
         run = tmp_path / name
         run.mkdir()
         trainer = L.Trainer(
