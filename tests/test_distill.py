@@ -4,7 +4,6 @@ transformers' logits; the vocab-parallel divergence and its gradient equal the g
 teacher with another vocabulary or tokenizer is refused before any worker starts."""
 
 import json
-import math
 import multiprocessing
 import shutil
 import traceback
@@ -43,7 +42,9 @@ def gkd_token_loss(student_logits, teacher_logits, labels, settings: DistillSett
     else:
         b = torch.tensor(beta, dtype=s.dtype)
         m = torch.logsumexp(torch.stack([s + torch.log(1 - b), t + torch.log(b)]), dim=0)
-        jsd = b * F.kl_div(m, t, reduction="none", log_target=True) + (1 - b) * F.kl_div(m, s, reduction="none", log_target=True)
+        kl_teacher = F.kl_div(m, t, reduction="none", log_target=True)
+        kl_student = F.kl_div(m, s, reduction="none", log_target=True)
+        jsd = b * kl_teacher + (1 - b) * kl_student
     divergence = jsd.sum(-1)
     ce = F.cross_entropy(student_logits, labels, reduction="none")
     return settings.sft_weight * ce + (1 - settings.sft_weight) * divergence, divergence, ce

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mcore import models
 from lightning_mcore.model.config import GPTConfig
@@ -109,12 +110,18 @@ def same_tokenizer(a: Union[str, os.PathLike], b: Union[str, os.PathLike]) -> bo
     if all((Path(d) / f).is_file() for d in (a, b) for f in files) and all(
             (Path(a) / f).read_bytes() == (Path(b) / f).read_bytes() for f in files):
         return True
-    first, second = AutoTokenizer.from_pretrained(str(a)), AutoTokenizer.from_pretrained(str(b))
-    return first.get_vocab() == second.get_vocab()
+    vocabs = []
+    for directory in (a, b):
+        try:
+            vocabs.append(AutoTokenizer.from_pretrained(str(directory)).get_vocab())
+        except Exception as error:  # noqa: BLE001 - whatever transformers says, named with the file
+            raise ValueError(f"the tokenizer in {directory} cannot be read ({type(error).__name__}: "
+                             f"{error}); the teacher's tokenizer cannot be compared.") from error
+    return vocabs[0] == vocabs[1]
 
 
 def _has_tokenizer(directory) -> bool:
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
     return directory is not None and any((Path(directory) / n).is_file() for n in names)
 
 
@@ -161,6 +168,9 @@ class DistillModule(MegatronModule):
                 f"{student} to {mine.make_vocab_size_divisible_by}: set "
                 f"teacher_overrides.make_vocab_size_divisible_by={mine.make_vocab_size_divisible_by}."
             )
+        if not _has_tokenizer(self.teacher.tokenizer_path):
+            rank_zero_warn(f"teacher={teacher} has no tokenizer files: only its vocab_size could be "
+                           f"checked against the student's; make sure both share one tokenizer.")
         mine_tok = self.hf_path or self.tokenizer_path
         if _has_tokenizer(mine_tok):
             self.check_tokenizer(mine_tok, f"the student's tokenizer ({mine_tok})")
