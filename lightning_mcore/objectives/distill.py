@@ -2,11 +2,13 @@
 
 Batches are SFT's (SFTDataModule: packed rows, loss on assistant tokens). The teacher, an HF
 directory or one of our checkpoints with the student's vocabulary and tokenizer, is built and
-sharded exactly like the student (same TP/PP layout, its own architecture) and runs forward-only
-at the start of every step over the whole batch (strategy.forward_collect); its last stage keeps
-the vocab-parallel logits of every microbatch, which the student's loss then reads. Memory: those
-logits, rows x seq x vocab / TP floats (fp32) per rank, on every pipeline stage (they are shared
-over the pipeline with the batch), beside a second set of (frozen) weights.
+sharded exactly like the student (same TP/PP layout, its own architecture) and runs forward-only,
+without gradients. Without pipeline parallelism it runs inside each microbatch's forward step, just
+before the student: its vocab-parallel logits live for one microbatch (micro_batch x seq x vocab /
+TP values per rank). With a pipeline it runs at the start of every step over the whole batch
+(strategy.forward_collect), and its last stage keeps the logits of every microbatch for the
+student's loss: rows x seq x vocab / TP floats (fp32) per rank, on every pipeline stage (they
+travel with the batch). Either way a second set of (frozen) weights sits beside the student's.
 
 Per assistant token (objectives/distill_loss.py, without gathering the vocabulary):
 
@@ -216,6 +218,10 @@ class DistillModule(MegatronModule):
         return logits.reshape(rows, seq, width)
 
     def forward_step(self, batch: dict, chunk):
+        teacher_logits = batch.get("teacher_logits")
+        if teacher_logits is None:  # no pipeline: the teacher's one chunk, this microbatch only
+            with torch.no_grad():
+                teacher_logits = _packed_logits(self._teacher_chunks[0], batch)
         out = _packed_logits(chunk, batch)
 
         def loss_fn(logits):
@@ -223,7 +229,7 @@ class DistillModule(MegatronModule):
 
             group = parallel_state.get_tensor_model_parallel_group()
             logits = logits.reshape(-1, logits.shape[-1])
-            teacher = batch["teacher_logits"].reshape(logits.shape[0], -1)
+            teacher = teacher_logits.reshape(logits.shape[0], -1)
             vocab, s = self.model_config.vocab_size, self.distill
             divergence = token_divergence(logits, teacher, vocab, group, s.divergence, s.beta, s.temperature)
             ce = token_cross_entropy(logits, batch["labels"].reshape(-1), vocab, group)
@@ -237,6 +243,8 @@ class DistillModule(MegatronModule):
         return out, loss_fn
 
     def _with_teacher(self, batch: dict) -> dict:
+        if self._strategy().parallel.pipeline_model_parallel_size == 1:
+            return batch  # the teacher runs in forward_step
         return {**batch, "teacher_logits": self._teacher_logits(batch)}
 
     def training_step(self, batch: dict, batch_idx: int):
