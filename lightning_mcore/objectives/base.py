@@ -110,7 +110,7 @@ class MegatronModule(L.LightningModule):
         from lightning_mcore.model.init import init_layout_invariant
         from lightning_mcore.strategy import checkpoint_io
 
-        source = source or self
+        source = self if source is None else source
         cfg = source.model_config
         tp = strategy.parallel.tensor_model_parallel_size
         strategy.refuse_unbuildable(cfg)
