@@ -154,7 +154,17 @@ class MegatronCLI(LightningCLI):
             self._read_checkpoint(f"ckpt_path={path}", Path(path),
                                   lambda p: checkpoint_io.read_resumed(p, module.model_config, tp,
                                                                        getattr(module, "lora", None)))
+        self._check_data_tokenizer(module)
         self._check_export_targets()
+
+    def _check_data_tokenizer(self, module: MegatronModule) -> None:
+        """A module that reads a second model (a distillation teacher) checks its tokenizer."""
+        tokenizer = (getattr(getattr(self, "datamodule", None), "hparams", None) or {}).get("tokenizer")
+        if hasattr(module, "check_tokenizer") and isinstance(tokenizer, str):
+            try:
+                module.check_tokenizer(tokenizer, f"the data's (data.init_args.tokenizer={tokenizer})")
+            except ValueError as error:
+                self._error(f"model.init_args.teacher: {error}", error)
 
     def _check_seq_length(self, module: MegatronModule) -> None:
         data = getattr(getattr(self, "datamodule", None), "hparams", None) or {}

@@ -412,3 +412,14 @@ def test_console_defaults_give_way_to_the_config():
                 "--trainer.callbacks+=lightning.pytorch.callbacks.ModelSummary")
     assert "RichProgressBar" in own and "ModelSummary" in own
     assert "MegatronProgressBar" not in own and "MegatronModelSummary" not in own
+
+
+def test_distill(tmp_path, hf_stubs):
+    from lightning_mcore.objectives.distill import DistillModule
+
+    cli = hf_cli("distill.yaml", tmp_path, hf_stubs, None)
+    module = cli.model
+    assert isinstance(module, DistillModule) and module.distill.divergence == "forward_kl"
+    teacher, student = module.teacher.model_config, module.model_config
+    assert (teacher.num_layers, student.num_layers) == (2, 1) and teacher.vocab_size == student.vocab_size == 512
+    assert module.teacher.hf_path == "configs/sample_data/tiny-llama" and teacher.seq_length == student.seq_length

@@ -101,30 +101,32 @@ class MegatronModule(L.LightningModule):
             self.lora_trainable_parameters = trainable
         self.chunks = torch.nn.ModuleList(chunks)
 
-    def _build_chunks(self, strategy) -> list:
+    def _build_chunks(self, strategy, source=None) -> list:
         """This rank's GPTModel chunks on its device: weights read from one of our checkpoints
         or an HF checkpoint (only this rank's slices, any saved layout), or drawn so that they
-        do not depend on the parallel layout."""
+        do not depend on the parallel layout. `source`: another model built the same way (a
+        distillation teacher), anything with model_config, hf_family, hf_path, init_checkpoint."""
         from lightning_mcore.model.build import build_chunks
         from lightning_mcore.model.init import init_layout_invariant
         from lightning_mcore.strategy import checkpoint_io
 
-        cfg = self.model_config
+        source = self if source is None else source
+        cfg = source.model_config
         tp = strategy.parallel.tensor_model_parallel_size
         strategy.refuse_unbuildable(cfg)
-        if self.init_checkpoint is not None:
-            checkpoint_io.read_common(self.init_checkpoint, cfg, tp)
+        if source.init_checkpoint is not None:
+            checkpoint_io.read_common(source.init_checkpoint, cfg, tp)
         tf_config = strategy.transformer_config(cfg)
         with strategy.mcore_context():
             chunks = build_chunks(cfg, tf_config, strategy.uses_te(cfg))
             for chunk in chunks:
                 chunk.to(strategy.root_device)
-            if self.init_checkpoint is not None:
-                checkpoint_io.load_model(self.init_checkpoint, chunks)
-            elif self.hf_path is None:
+            if source.init_checkpoint is not None:
+                checkpoint_io.load_model(source.init_checkpoint, chunks)
+            elif source.hf_path is None:
                 init_layout_invariant(chunks, cfg, strategy.seed)
             else:
-                load_hf_weights(chunks, self.hf_path, cfg, models.weights(cfg, self.hf_family),
+                load_hf_weights(chunks, source.hf_path, cfg, models.weights(cfg, source.hf_family),
                                 cfg.padded_vocab_size(tp))
         return chunks
 
