@@ -8,6 +8,7 @@ from lightning_mcore.callbacks import HFExport, MegatronThroughput
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.objectives.distill import DistillModule, DistillSettings
 from lightning_mcore.objectives.dpo import DPOModule
 from lightning_mcore.objectives.kto import KTOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
@@ -20,6 +21,8 @@ from lightning_mcore.strategy.parallel import BatchConfig, LayoutError, Parallel
 __all__ = [
     "BatchConfig",
     "CheckpointOptions",
+    "DistillModule",
+    "DistillSettings",
     "DPOModule",
     "GPTConfig",
     "HFExport",
