@@ -117,6 +117,7 @@ class MegatronModule(L.LightningModule):
         tf_config = strategy.transformer_config(cfg)
         with strategy.mcore_context():
             chunks = build_chunks(cfg, tf_config, strategy.uses_te(cfg))
+            self._adapt_chunks(chunks)
             for chunk in chunks:
                 chunk.to(strategy.root_device)
             if self.init_checkpoint is not None:
@@ -124,7 +125,7 @@ class MegatronModule(L.LightningModule):
             elif self.hf_path is None:
                 init_layout_invariant(chunks, cfg, strategy.seed)
             else:
-                load_hf_weights(chunks, self.hf_path, cfg, models.weights(cfg, self.hf_family),
+                load_hf_weights(chunks, self.hf_path, cfg, self._import_weights(),
                                 cfg.padded_vocab_size(tp))
         return chunks
 
@@ -178,6 +179,13 @@ class MegatronModule(L.LightningModule):
 
     def _weights(self):
         return models.weights(self.model_config, self.hf_family)
+
+    def _adapt_chunks(self, chunks: list) -> None:
+        """Change the freshly built chunks before weights go in (e.g. a reward model's head)."""
+
+    def _import_weights(self):
+        """The weight table an HF checkpoint is read by."""
+        return self._weights()
 
     def configure_optimizers(self):
         return self._strategy().megatron_optimizer(self.optim)
