@@ -117,7 +117,7 @@ def test_reward_matches_transformers_and_exports(tmp_path, family):
     rows, raw = pairs(8, COMMON["vocab_size"], margins=True)
     margin = torch.tensor([0.25 * (i % 3) for i in range(8)], dtype=torch.float64)
     module = RewardModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0))
-    step0, step1 = train(tmp_path, module, DataLoader(rows, batch_size=4), devices=2, raw=raw,
+    step0, step1 = train(tmp_path, module, DataLoader(rows, batch_size=8), devices=2, raw=raw,
                          tensor_model_parallel_size=2, sequence_parallel=True)
 
     check(step0, expected_metrics(hf_scores(source, raw), margin), "source")
@@ -157,7 +157,7 @@ def test_reward_layouts_agree(tmp_path):
     source = tmp_path / "source"
     make_seq_cls("llama_tied", source, seed=3)
     rows, _ = pairs(8, COMMON["vocab_size"], seed=1)
-    optim = OptimizerSettings(lr=0.5, optimizer="sgd", clip_grad=0.0, weight_decay=0.0, warmup_steps=0)
+    optim = OptimizerSettings(lr=0.05, optimizer="sgd", clip_grad=0.0, weight_decay=0.0, warmup_steps=0)
     runs = {}
     for name, devices, parallel in (
         ("tp1", 1, {}), ("tp2_sp", 2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
