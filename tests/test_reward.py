@@ -90,11 +90,12 @@ class Record(L.Callback):
             self.out.write_text(json.dumps(self.rows))
 
 
-def train(tmp_path, module, data, devices=1, steps=2, raw=None, **parallel):
+def train(tmp_path, module, data, devices=1, steps=2, raw=None, callbacks=(), **parallel):
     out = tmp_path / "metrics.json"
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[Record(out, raw)],
+        enable_model_summary=False, enable_checkpointing=bool(callbacks),
+        callbacks=[Record(out, raw), *callbacks],
         strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=2, start_method="fork", **parallel),
     )
     trainer.fit(module, data)
@@ -149,6 +150,34 @@ def test_reward_from_causal_lm_starts_at_zero_and_exports_qwen3(tmp_path):
     check(step1, expected_metrics(exported, torch.zeros(8, dtype=torch.float64)), "export")
     ours = torch.load(tmp_path / "scores.pt").reshape(-1, 2).double()
     assert torch.allclose(ours, exported, atol=1e-4, rtol=0), (ours, exported)
+
+
+@pytest.mark.distributed
+def test_reward_checkpoint_exports_as_sequence_classifier(tmp_path):
+    """A PP=2 reward checkpoint: `lightning-mcore export` writes the scalar-head layout (the
+    same tensors and config as the run's own export); it fine-tunes as a reward model only."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from safetensors.torch import load_file
+
+    from lightning_mcore import SFTModule
+    from lightning_mcore.export_checkpoint import export_checkpoint
+
+    source = tmp_path / "source"
+    make_seq_cls("qwen3", source, seed=4)
+    rows, raw = pairs(8, COMMON["vocab_size"], seed=5)
+    module = RewardModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0))
+    saving = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=0, save_last=True)
+    train(tmp_path, module, DataLoader(rows, batch_size=8), devices=2, steps=1, raw=raw,
+          callbacks=[saving], pipeline_model_parallel_size=2)
+    # the run's export happened after its one update: the weights last.ckpt holds
+    written = export_checkpoint(str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "cli-export"))
+    ours, theirs = (load_file(d / "model.safetensors") for d in (tmp_path / "export", written))
+    assert sorted(ours) == sorted(theirs) and "score.weight" in ours and "lm_head.weight" not in ours
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert json.loads((written / "config.json").read_text()) == json.loads((tmp_path / "export" / "config.json").read_text())
+    RewardModule(str(tmp_path / "ckpt" / "last.ckpt"))
+    with pytest.raises(ValueError, match="'score' head; SFTModule takes one with a 'lm' head"):
+        SFTModule(str(tmp_path / "ckpt" / "last.ckpt"))
 
 
 @pytest.mark.distributed

@@ -50,6 +50,9 @@ class MegatronModule(L.LightningModule):
         self.tokenizer_path: Optional[str] = None
         if isinstance(model, (str, os.PathLike)) and checkpoint_io.is_checkpoint(model):
             saved = checkpoint_io.read_saved_model(model)
+            if saved.head != self.output_head:
+                raise ValueError(f"{model} holds a model with a {saved.head!r} head; {type(self).__name__} "
+                                 f"takes one with a {self.output_head!r} head (export it to HF to change heads).")
             self.init_checkpoint, self.hf_path, self.hf_family = str(model), saved.hf_path, saved.hf_family
             self.tokenizer_path = saved.tokenizer_path
             self.model_config = dataclasses.replace(saved.config, **(model_overrides or {}))
@@ -192,6 +195,8 @@ class MegatronModule(L.LightningModule):
 
     # A module whose forward_step sends microbatches as packed THD rows sets this.
     packed_sequences: bool = False
+    # What the last stage ends in, recorded in checkpoints: "lm" (the output layer), "score".
+    output_head: str = "lm"
 
     def forward_step(self, batch: dict, chunk: torch.nn.Module):
         """(output, loss_fn) for one microbatch through one chunk, as mcore's schedule expects."""

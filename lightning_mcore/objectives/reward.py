@@ -93,6 +93,7 @@ class RewardModule(MegatronModule):
     models.sequence_classifier). Trains the whole model (no LoRA yet)."""
 
     packed_sequences = True
+    output_head = "score"  # recorded in checkpoints: `lightning-mcore export` writes this layout
 
     def __init__(
         self,
@@ -106,17 +107,12 @@ class RewardModule(MegatronModule):
             raise ValueError("RewardModule trains the whole model; LoRA (which would leave the "
                              "score head out of the adapters) is not supported yet: drop `lora`.")
         self.seq_cls_class = models.sequence_classifier(self.model_config, self.hf_family)
-        self.hf_scores = self.hf_path is not None and models.is_sequence_classifier(self.hf_path)
+        self.hf_scores = (self.init_checkpoint is None and self.hf_path is not None
+                          and models.is_sequence_classifier(self.hf_path))
 
     # ------------------------------------------------------------ model
     def _adapt_chunks(self, chunks: list) -> None:
-        for chunk in chunks:
-            model = unwrap(chunk)
-            model.share_embeddings_and_output_weights = False  # the head is not the embedding
-            if model.post_process:
-                config = model.config
-                model.output_layer = ScoreHead(config.hidden_size, config.sequence_parallel,
-                                               config.params_dtype)
+        attach_score_heads(chunks)
 
     def _weights(self):
         return reward_weights(super()._weights(), self.model_config.hidden_size)
@@ -183,15 +179,33 @@ class RewardModule(MegatronModule):
                          tokenizer_dir=self.tokenizer_path, protected=[self.init_checkpoint])
 
     def _export_config(self) -> dict:
-        source = Path(self.hf_path) if self.hf_path else None
-        if source is not None and (source / "config.json").is_file():
-            config = json.loads((source / "config.json").read_text())
-        else:
-            config = models.hf_config_dict_from_gpt(self.model_config, self.hf_family)
-        pad = config.get("pad_token_id")
-        if pad is None:
-            pad = _tokenizer_pad_id(source if source is not None else self.tokenizer_path)
-        return seq_cls_config(config, self.seq_cls_class, pad)
+        return seq_cls_export_config(self.model_config, self.hf_family, self.hf_path, self.tokenizer_path)
+
+
+def attach_score_heads(chunks: list) -> None:
+    """The score head in place of the output layer of the last stage's chunk; the embedding
+    no longer tied to it."""
+    for chunk in chunks:
+        model = unwrap(chunk)
+        model.share_embeddings_and_output_weights = False  # no gradient shared between stages
+        if model.post_process:
+            config = model.config
+            model.output_layer = ScoreHead(config.hidden_size, config.sequence_parallel,
+                                           config.params_dtype)
+
+
+def seq_cls_export_config(cfg: GPTConfig, family: Optional[str], hf_path=None, tokenizer_path=None) -> dict:
+    """config.json of a reward model's export: the source's (else one made from `cfg`) as the
+    family's scalar-head class, pad_token_id the source's, else the tokenizer's pad, else eos."""
+    source = Path(hf_path) if hf_path else None
+    if source is not None and (source / "config.json").is_file():
+        config = json.loads((source / "config.json").read_text())
+    else:
+        config = models.hf_config_dict_from_gpt(cfg, family)
+    pad = config.get("pad_token_id")
+    if pad is None:
+        pad = _tokenizer_pad_id(source if source is not None else tokenizer_path)
+    return seq_cls_config(config, models.sequence_classifier(cfg, family), pad)
 
 
 def _tokenizer_pad_id(directory) -> Optional[int]:
