@@ -202,14 +202,38 @@ def test_reward_layouts_agree(tmp_path):
 
 @pytest.mark.distributed
 def test_reward_learns_the_bundled_pairs(tmp_path):
-    from lightning_mcore.data import DPODataModule
+    """30 steps from scratch on the bundled pairs (polite correct answers preferred to rude
+    wrong ones, margin 0.5)."""
+    from lightning_mcore.data.reward import RewardDataModule
 
     config = tiny_config(num_layers=2, hidden_size=128, ffn_hidden_size=352, vocab_size=512, seq_length=256)
     module = RewardModule(config, OptimizerSettings(lr=1e-3, warmup_steps=2, min_lr=1e-4))
-    data = DPODataModule(str(ROOT / "configs/sample_data/dpo.jsonl"), str(ROOT / "configs/sample_data/tokenizer"),
-                         256, chat_template="chatml", cache_dir=str(tmp_path / "cache"))
+    data = RewardDataModule(str(ROOT / "configs/sample_data/reward.jsonl"), str(ROOT / "configs/sample_data/tokenizer"),
+                            256, chat_template="chatml", cache_dir=str(tmp_path / "cache"))
     rows = train(tmp_path, module, data, steps=30)
-    assert rows[-1]["accuracy"] > 0.9 and rows[-1]["reward_gap"] > 0, [r["accuracy"] for r in rows]
+    assert rows[-1]["accuracy"] > 0.9 and rows[-1]["reward_gap"] > 0.5, [r["accuracy"] for r in rows]
+
+
+def test_margins_travel_with_their_pairs(tmp_path):
+    from lightning_mcore.data.reward import RewardDataModule
+
+    records = [{"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": "No." * (i % 2 + 1),
+                "margin": 0.25 * i} for i in range(6)]
+    records[1]["rejected"] = records[1]["chosen"]  # dropped: later pairs' rows shift by one
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = RewardDataModule(str(tmp_path / "pairs.jsonl"), str(ROOT / "configs/sample_data/tokenizer"), 256,
+                            chat_template="chatml", cache_dir=str(tmp_path / "cache"))
+    data.setup("fit")
+    for k in range(len(data.train_dataset)):
+        pair = data.train_dataset.rows.rows[k][0] // 2
+        assert float(data.train_dataset[k]["margin"]) == records[pair]["margin"]
+    assert len(data.train_dataset) == 5
+    records[3]["margin"] = "big"
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    bad = RewardDataModule(str(tmp_path / "bad.jsonl"), str(ROOT / "configs/sample_data/tokenizer"), 256,
+                           chat_template="chatml", cache_dir=str(tmp_path / "cache2"))
+    with pytest.raises(ValueError, match="sample 3: margin column 'margin' holds 'big'"):
+        bad.setup("fit")
 
 
 def test_unsupported_family_is_refused_before_workers(capsys, tmp_path, monkeypatch):
