@@ -250,3 +250,10 @@ def test_unsupported_family_is_refused_before_workers(capsys, tmp_path, monkeypa
     assert exit_info.value.code == 2 and "Traceback" not in err, err
     assert "error: model.init_args.model (RewardModule): reward models of the gemma3_text family" in err, err
     assert "supported families: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, seed_oss" in err, err
+
+
+def test_lora_is_refused():
+    from lightning_mcore.model.lora import LoRAConfig
+
+    with pytest.raises(ValueError, match="LoRA .* is not supported yet"):
+        RewardModule(tiny_config(), lora=LoRAConfig())

@@ -16,14 +16,20 @@ last token that is not padding:
 
     loss = -log sigmoid(r_chosen - r_rejected - margin)     (margin: per pair, default 0)
 
-`margin`, when a batch carries one ([rows]), is the per-pair margin of the Llama 2 paper.
+`margin` ([rows], when a batch carries one: RewardDataModule's margin column) is the per-pair
+margin of the Llama 2 paper. `score(sequences)` gives a trained model's scores of token lists
+on every rank (collective), e.g. as a reward function for GRPO.
 
 Weights: an HF `...ForSequenceClassification` directory (num_labels=1) loads whole, its `score`
 included; a causal LM directory starts the head at zero (every pair scores equal at first:
 loss log 2, accuracy 0); a GPTConfig draws it like every other weight. Exports write that
 layout: the backbone as the causal LM's `model.*`, `score.weight`, `architectures` the family's
 scalar-head class, num_labels=1 and a pad_token_id (transformers needs one to find the last
-token): the source config's, else the tokenizer's pad token, else its eos token.
+token): the source config's, else the tokenizer's pad token, else its eos token. transformers
+scores the last token that is not padding, so a conversation that ends with the pad token (pad =
+eos, as many tokenizers set it) is scored one token earlier there than here: the export warns.
+Checkpoints record the head (`output_head`), so `lightning-mcore export` writes this layout too
+and a causal-LM module refuses a reward checkpoint (and the other way round).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mcore import models
 from lightning_mcore.hf.load import unwrap
@@ -202,18 +209,24 @@ def seq_cls_export_config(cfg: GPTConfig, family: Optional[str], hf_path=None, t
         config = json.loads((source / "config.json").read_text())
     else:
         config = models.hf_config_dict_from_gpt(cfg, family)
-    pad = config.get("pad_token_id")
+    pad, eos = config.get("pad_token_id"), config.get("eos_token_id")
     if pad is None:
-        pad = _tokenizer_pad_id(source if source is not None else tokenizer_path)
+        pad, eos = _tokenizer_pad_id(source if source is not None else tokenizer_path)
+    if pad is not None and pad in (eos if isinstance(eos, list) else [eos]):
+        rank_zero_warn(f"the reward model export's pad_token_id {pad} is also an eos token: "
+                       f"transformers scores the last token that is not padding, so a sequence "
+                       f"ending in it is scored one token earlier there than in training; set a "
+                       f"pad_token_id that no sequence ends with in config.json.")
     return seq_cls_config(config, models.sequence_classifier(cfg, family), pad)
 
 
-def _tokenizer_pad_id(directory) -> Optional[int]:
-    """The tokenizer's pad token id, else its eos token id (None without a tokenizer)."""
+def _tokenizer_pad_id(directory) -> tuple[Optional[int], Optional[int]]:
+    """(the tokenizer's pad token id, else its eos token id; its eos token id), or Nones
+    without a tokenizer."""
     if directory is None or not (Path(directory) / "tokenizer_config.json").is_file():
-        return None
+        return None, None
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    pad = tokenizer.pad_token_id
-    return tokenizer.eos_token_id if pad is None else pad
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    return (eos if pad is None else pad), eos
