@@ -257,3 +257,12 @@ def test_lora_is_refused():
 
     with pytest.raises(ValueError, match="LoRA .* is not supported yet"):
         RewardModule(tiny_config(), lora=LoRAConfig())
+
+
+def test_rows_that_are_not_pairs_are_refused():
+    """SFT-packed rows (three samples in a row) would be scored as pairs without a word."""
+    module = RewardModule(tiny_config())
+    row = build_row([([1, 2, 3], [0, 1, 1]), ([4, 5], [0, 1]), ([6, 7], [0, 1])], 16, pad_id=PAD)
+    batch = {k: v[None] for k, v in row.items()}
+    with pytest.raises(ValueError, match="rows of one pair each.*segment ids up to 3"):
+        module.forward_step(batch, chunk=None)

@@ -130,6 +130,12 @@ class RewardModule(MegatronModule):
 
     # ------------------------------------------------------------ steps
     def forward_step(self, batch: dict, chunk):
+        segments = batch["segment_ids"]
+        if not bool(((segments.amax(-1) == 2) & (segments == 1).any(-1)).all()):
+            raise ValueError(
+                "RewardModule needs rows of one pair each, chosen then rejected (segment ids 1 "
+                "and 2, then padding), as RewardDataModule / DPODataModule make them; got rows "
+                f"with segment ids up to {int(segments.max())}.")
         out = chunk(input_ids=batch["tokens"].reshape(1, -1),
                     position_ids=batch["position_ids"].reshape(1, -1), attention_mask=None,
                     packed_seq_params=packed_seq_params(batch["segment_ids"]))
