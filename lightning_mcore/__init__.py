@@ -12,6 +12,7 @@ from lightning_mcore.objectives.distill import DistillModule, DistillSettings
 from lightning_mcore.objectives.dpo import DPOModule
 from lightning_mcore.objectives.kto import KTOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
+from lightning_mcore.objectives.reward import RewardModule
 from lightning_mcore.objectives.sft import SFTModule
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.megatron import MegatronStrategy
@@ -35,6 +36,7 @@ __all__ = [
     "OptimizerSettings",
     "ParallelConfig",
     "PretrainModule",
+    "RewardModule",
     "SFTModule",
 ]
 __version__ = "0.1.0"

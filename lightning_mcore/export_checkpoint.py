@@ -95,6 +95,14 @@ def export_checkpoint(
         )
     protected = [checkpoint, source, saved.hf_path, saved.init_checkpoint]
     weights = models.weights(saved.config, saved.hf_family)
+    if saved.head == "score":  # a reward model: the family's ...ForSequenceClassification layout
+        from lightning_mcore.hf.score_head import reward_weights
+        from lightning_mcore.objectives import reward
+
+        weights = reward_weights(weights, saved.config.hidden_size)
+        hf_config = reward.seq_cls_export_config(saved.config, saved.hf_family, source, saved.tokenizer_path)
+    else:
+        hf_config = models.export_config(saved.config, saved.hf_family, source)
     lora = saved_lora(saved.lora) if saved.lora else None
     layout = models.export_layout(saved.config, saved.hf_family, lora, mode, lora_experts_layout)
     check_target(output, overwrite, protected)  # before any work; export_* check it again
@@ -102,6 +110,8 @@ def export_checkpoint(
         tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,
                                           on_cpu=True, use_te=False)
         chunks = build_chunks(saved.config, tf_config, use_te=False, padded_vocab=saved.padded_vocab_size)
+        if saved.head == "score":
+            reward.attach_score_heads(chunks)
         if saved.lora:
             _load_base(chunks, saved, base, weights)
             apply_lora(chunks, lora, seed=0)
@@ -115,7 +125,7 @@ def export_checkpoint(
         else:
             set_merged(chunks, True)
             export_hf(chunks, saved.config, weights,
-                      models.export_config(saved.config, saved.hf_family, source),
+                      hf_config,
                       output, saved.padded_vocab_size,
                       source_dir=source, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                       tokenizer_dir=saved.tokenizer_path, protected=protected)

@@ -28,6 +28,7 @@ SAMPLES = {  # data module class -> bundled sample for its `paths`
     "lightning_mcore.data.SFTDataModule": "configs/sample_data/sft.jsonl",
     "lightning_mcore.data.DPODataModule": "configs/sample_data/dpo.jsonl",
     "lightning_mcore.data.KTODataModule": "configs/sample_data/kto.jsonl",
+    "lightning_mcore.data.RewardDataModule": "configs/sample_data/reward.jsonl",
     "lightning_mcore.data.PretrainDataModule": "configs/sample_data/sample.txt",
 }
 
@@ -274,6 +275,16 @@ def test_kto(tmp_path, hf_stubs):
     assert cli.model.lora.rank == 8 and cli.model.beta == pytest.approx(0.1)
     assert (cli.model.desirable_weight, cli.model.undesirable_weight) == (1.0, 1.0)
     assert cli.datamodule.hparams.seq_length <= cli.model.model_config.seq_length
+
+
+def test_reward(tmp_path, hf_stubs):
+    from lightning_mcore.data.reward import RewardDataModule
+    from lightning_mcore.objectives.reward import RewardModule
+
+    cli = hf_cli("reward.yaml", tmp_path, hf_stubs, None)
+    assert isinstance(cli.model, RewardModule) and isinstance(cli.datamodule, RewardDataModule)
+    assert cli.model.hf_family == "llama" and cli.model.seq_cls_class == "LlamaForSequenceClassification"
+    assert not cli.model.hf_scores  # a causal LM: the score head starts at zero
 
 
 def test_pretrain_indexed(tmp_path, hf_stubs, indexed_prefix):

@@ -1,11 +1,12 @@
 """Training data fed per data-parallel rank, resumable mid-epoch: packed token sequences for
 pretraining, chat conversations with assistant-only loss for fine-tuning, preference pairs one
-per row for DPO, unpaired labelled examples one per row for KTO."""
+per row for DPO and reward models, unpaired labelled examples one per row for KTO."""
 
 from lightning_mcore.data.dpo import DPODataModule
 from lightning_mcore.data.indexed import HFTokenizerAdapter, build_indexed_datasets
 from lightning_mcore.data.kto import KTODataModule
 from lightning_mcore.data.pretrain import PackedSequences, PretrainDataModule
+from lightning_mcore.data.reward import RewardDataModule
 from lightning_mcore.data.sampler import DataParallelSampler
 from lightning_mcore.data.sft import SFTDataModule
 
@@ -16,6 +17,7 @@ __all__ = [
     "KTODataModule",
     "PackedSequences",
     "PretrainDataModule",
+    "RewardDataModule",
     "SFTDataModule",
     "build_indexed_datasets",
 ]

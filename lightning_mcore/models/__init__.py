@@ -18,12 +18,15 @@ from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.models.architecture import Architecture, HFConfig
 
 ARCHITECTURES: dict[str, Architecture] = {}  # by HF class name, e.g. "LlamaForCausalLM"
+SEQ_CLS: dict[str, Architecture] = {}  # by scalar-head class name, e.g. "LlamaForSequenceClassification"
 DEFAULT_SEQ_LENGTH_CAP = 4096
 PathOrDict = Union[str, os.PathLike, dict]
 
 
 def register(architecture: Architecture) -> Architecture:
     ARCHITECTURES[architecture.hf_class] = architecture
+    if architecture.seq_cls_class:
+        SEQ_CLS[architecture.seq_cls_class] = architecture
     return architecture
 
 
@@ -44,10 +47,10 @@ def architecture_of(hf: HFConfig) -> Architecture:
     supported = ", ".join(sorted(ARCHITECTURES))
     if not names:
         raise HFCheckpointError(f"{hf.source}: no 'architectures' field; supported: {supported}.")
-    if names[0] not in ARCHITECTURES:
+    arch = ARCHITECTURES.get(names[0]) or SEQ_CLS.get(names[0])
+    if arch is None:
         raise HFCheckpointError(
             f"{hf.source}: architecture {names[0]!r} is not supported; supported: {supported}.")
-    arch = ARCHITECTURES[names[0]]
     missing = arch.missing(hf)
     if missing:
         raise HFCheckpointError(f"{hf.source}: missing required field(s): {', '.join(missing)}.")
@@ -193,6 +196,26 @@ def _has_unrouted_mlp(cfg: GPTConfig) -> bool:
 def peft_experts(cfg: GPTConfig, family: Optional[str]):
     """How transformers holds `family`'s routed experts (hf/mappings.py FusedExperts), or None."""
     return _family(cfg, family).peft_experts if family is not None else None
+
+
+def sequence_classifier(cfg: GPTConfig, family: Optional[str]) -> str:
+    """The transformers class of `family`'s scalar-head model (a reward model's HF layout), or
+    an error naming the family and those that have one."""
+    arch = _family(cfg, family)
+    if arch.seq_cls_class is None:
+        supported = ", ".join(sorted(a.model_type for a in SEQ_CLS.values()))
+        raise HFCheckpointError(
+            f"reward models of the {arch.model_type} family ({arch.hf_class}) are not supported: "
+            f"no ...ForSequenceClassification layout is declared for it; supported families: "
+            f"{supported}.")
+    return arch.seq_cls_class
+
+
+def is_sequence_classifier(path: Union[str, os.PathLike]) -> bool:
+    """Whether the HF directory holds a scalar-head model (architectures[0] a declared
+    ...ForSequenceClassification) rather than a causal LM."""
+    names = read_config_json(path).get("architectures") or []
+    return bool(names) and names[0] in SEQ_CLS
 
 
 def _family(cfg: GPTConfig, family: Optional[str]) -> Architecture:

@@ -61,6 +61,12 @@ class Architecture:
     # How transformers holds the routed experts, for a PEFT export of expert adapters (None:
     # not known, such an export is refused; merged works).
     peft_experts: Optional[FusedExperts] = None
+    # The transformers class of this family's scalar-head model (the CausalLM's `model.*` plus a
+    # `score` [num_labels, hidden] linear; transformers' GenericForSequenceClassification), e.g.
+    # "LlamaForSequenceClassification": what a reward model (objectives/reward.py) loads from and
+    # exports as. None: reward models of this family are not supported. Declare it in each
+    # family's own class (a subclass would otherwise inherit its base family's name).
+    seq_cls_class: Optional[str] = None
 
     def gpt_config(self, hf: HFConfig) -> dict:
         """GPTConfig fields for this config.json (seq_length aside); refuse with hf.refuse."""

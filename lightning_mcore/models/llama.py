@@ -9,6 +9,7 @@ from lightning_mcore.models.architecture import Architecture
 
 class Llama(Architecture):
     hf_class, model_type, config_class = "LlamaForCausalLM", "llama", "LlamaConfig"
+    seq_cls_class = "LlamaForSequenceClassification"
     required = ("intermediate_size",)
     scratch_order = 0
     qkv_bias = False  # q/k/v projection biases, without a config field (Qwen2)

@@ -8,6 +8,7 @@ from lightning_mcore.models.llama import Llama
 
 class Mistral(Llama):
     hf_class, model_type, config_class = "MistralForCausalLM", "mistral", "MistralConfig"
+    seq_cls_class = "MistralForSequenceClassification"
     required = ("intermediate_size", "num_key_value_heads")  # transformers' default is 8
 
     def gpt_config(self, hf):

@@ -13,6 +13,7 @@ from lightning_mcore.models.architecture import Architecture
 
 class Mixtral(Architecture):
     hf_class, model_type, config_class = "MixtralForCausalLM", "mixtral", "MixtralConfig"
+    seq_cls_class = "MixtralForSequenceClassification"
     # transformers' defaults (8 kv heads, 8 experts, 14336) are Mixtral-8x7B's, not ours.
     required = ("intermediate_size", "num_key_value_heads", "num_local_experts",
                 "num_experts_per_tok")

@@ -10,6 +10,7 @@ from lightning_mcore.models.llama import Llama
 
 class Qwen2(Llama):
     hf_class, model_type, config_class = "Qwen2ForCausalLM", "qwen2", "Qwen2Config"
+    seq_cls_class = "Qwen2ForSequenceClassification"
     required = ("intermediate_size", "num_key_value_heads")
     qkv_bias = True
 

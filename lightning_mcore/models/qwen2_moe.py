@@ -15,6 +15,7 @@ from lightning_mcore.models.architecture import Architecture
 
 class Qwen2Moe(Architecture):
     hf_class, model_type, config_class = "Qwen2MoeForCausalLM", "qwen2_moe", "Qwen2MoeConfig"
+    seq_cls_class = "Qwen2MoeForSequenceClassification"
     required = ("intermediate_size", "num_key_value_heads", "num_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "shared_expert_intermediate_size")
     # transformers 5: Qwen2MoeExperts.gate_up_proj [E, 2f, h], down_proj [E, h, f]. peft

@@ -7,6 +7,7 @@ from lightning_mcore.models.qwen2 import Qwen2
 
 class Qwen3(Qwen2):
     hf_class, model_type, config_class = "Qwen3ForCausalLM", "qwen3", "Qwen3Config"
+    seq_cls_class = "Qwen3ForSequenceClassification"
     required = ("intermediate_size", "num_key_value_heads", "head_dim")
     qkv_bias, qk_norm = False, True
 

@@ -11,6 +11,7 @@ from lightning_mcore.models.qwen3 import Qwen3
 
 class Qwen3Moe(Qwen3):
     hf_class, model_type, config_class = "Qwen3MoeForCausalLM", "qwen3_moe", "Qwen3MoeConfig"
+    seq_cls_class = "Qwen3MoeForSequenceClassification"
     required = ("intermediate_size", "num_key_value_heads", "num_experts_per_tok",
                 "moe_intermediate_size")
     # transformers 5: Qwen3MoeExperts.gate_up_proj [E, 2f, h], down_proj [E, h, f]

@@ -7,6 +7,7 @@ from lightning_mcore.models.qwen2 import Qwen2
 
 class SeedOss(Qwen2):
     hf_class, model_type, config_class = "SeedOssForCausalLM", "seed_oss", "SeedOssConfig"
+    seq_cls_class = "SeedOssForSequenceClassification"
     required = Qwen2.required + ("head_dim",)
 
     def gpt_config(self, hf):

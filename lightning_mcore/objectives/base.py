@@ -50,6 +50,9 @@ class MegatronModule(L.LightningModule):
         self.tokenizer_path: Optional[str] = None
         if isinstance(model, (str, os.PathLike)) and checkpoint_io.is_checkpoint(model):
             saved = checkpoint_io.read_saved_model(model)
+            if saved.head != self.output_head:
+                raise ValueError(f"{model} holds a model with a {saved.head!r} head; {type(self).__name__} "
+                                 f"takes one with a {self.output_head!r} head (export it to HF to change heads).")
             self.init_checkpoint, self.hf_path, self.hf_family = str(model), saved.hf_path, saved.hf_family
             self.tokenizer_path = saved.tokenizer_path
             self.model_config = dataclasses.replace(saved.config, **(model_overrides or {}))
@@ -119,6 +122,8 @@ class MegatronModule(L.LightningModule):
         tf_config = strategy.transformer_config(cfg)
         with strategy.mcore_context():
             chunks = build_chunks(cfg, tf_config, strategy.uses_te(cfg))
+            if source is self:  # a teacher is a plain language model
+                self._adapt_chunks(chunks)
             for chunk in chunks:
                 chunk.to(strategy.root_device)
             if source.init_checkpoint is not None:
@@ -126,7 +131,8 @@ class MegatronModule(L.LightningModule):
             elif source.hf_path is None:
                 init_layout_invariant(chunks, cfg, strategy.seed)
             else:
-                load_hf_weights(chunks, source.hf_path, cfg, models.weights(cfg, source.hf_family),
+                table = self._import_weights() if source is self else models.weights(cfg, source.hf_family)
+                load_hf_weights(chunks, source.hf_path, cfg, table,
                                 cfg.padded_vocab_size(tp))
         return chunks
 
@@ -181,11 +187,20 @@ class MegatronModule(L.LightningModule):
     def _weights(self):
         return models.weights(self.model_config, self.hf_family)
 
+    def _adapt_chunks(self, chunks: list) -> None:
+        """Change the freshly built chunks before weights go in (e.g. a reward model's head)."""
+
+    def _import_weights(self):
+        """The weight table an HF checkpoint is read by."""
+        return self._weights()
+
     def configure_optimizers(self):
         return self._strategy().megatron_optimizer(self.optim)
 
     # A module whose forward_step sends microbatches as packed THD rows sets this.
     packed_sequences: bool = False
+    # What the last stage ends in, recorded in checkpoints: "lm" (the output layer), "score".
+    output_head: str = "lm"
 
     def forward_step(self, batch: dict, chunk: torch.nn.Module):
         """(output, loss_fn) for one microbatch through one chunk, as mcore's schedule expects."""

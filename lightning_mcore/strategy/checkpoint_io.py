@@ -259,6 +259,7 @@ class SavedModel:
     lora: Any = None  # LoRAConfig fields of a LoRA run (its checkpoint holds the adapters only)
     init_checkpoint: Any = None  # the checkpoint a fine-tuning run took its base weights from
     tokenizer_path: Any = None  # the data's tokenizer directory (exports copy it), or None
+    head: str = "lm"  # the module's output_head: "lm", or "score" (a reward model)
 
 
 def read_saved_model(path) -> SavedModel:
@@ -268,7 +269,8 @@ def read_saved_model(path) -> SavedModel:
     config = GPTConfig(**extra["model_config"])
     return SavedModel(config, extra.get("hf_family"), extra.get("hf_path"),
                       getattr(torch, extra.get("dtype", "float32")), _saved_padded_vocab(extra, config),
-                      extra.get("lora"), extra.get("init_checkpoint"), extra.get("tokenizer_path"))
+                      extra.get("lora"), extra.get("init_checkpoint"), extra.get("tokenizer_path"),
+                      extra.get("head", "lm"))
 
 
 def _saved_padded_vocab(extra: dict, config) -> int:

@@ -501,6 +501,7 @@ class MegatronStrategy(DDPStrategy):
             "hf_path": getattr(module, "hf_path", None),
             "init_checkpoint": getattr(module, "init_checkpoint", None),
             "tokenizer_path": getattr(module, "tokenizer_path", None),
+            "head": getattr(module, "output_head", "lm"),
             "lora": dataclasses.asdict(module.lora) if getattr(module, "lora", None) else None,
             "dtype": str(self.dtype).removeprefix("torch."),
         }
