@@ -1,5 +1,6 @@
 """The README's other runnable examples, verbatim from README.md, in a fresh directory with a copy
-of configs/: the Python example at its top, and the SFT and DPO commands. (The quickstart, the
+of configs/: the Python example at its top, the SFT and DPO commands, and the reward, KTO and
+distillation commands. (The quickstart, the
 LoRA fine-tune and the multi-node commands have tests of their own.) Each run must train: its
 logged loss falls (DPO: below log 2, where every pair starts)."""
 
@@ -30,6 +31,29 @@ def test_readme_fit_command_trains(title, name, tmp_path):
     assert len(losses) >= 3 and losses[-1] < losses[0], losses
     if name == "dpo":
         assert abs(losses[0] - math.log(2)) < 0.05 and losses[-1] < math.log(2), losses
+
+
+OBJECTIVES = {"reward": "train/accuracy", "kto": "train/kl", "distill": "train/divergence"}
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_readme_objective_commands_train(name, tmp_path):
+    """The reward, KTO and distillation commands: each trains and its loss falls; the reward
+    model ends ranking the bundled pairs right, the student's KL to its teacher falls by half."""
+    (argv,) = [a for a in commands(section("Reward models, KTO, distillation")) if f"configs/{name}.yaml" in a]
+    work = user_dir(tmp_path)
+    run(argv, work)
+    assert (work / "runs" / name / "checkpoints" / "last.ckpt" / "common.pt").is_file()
+    losses = logged(work / "runs" / name, "train/loss")
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
+    metric = logged(work / "runs" / name, OBJECTIVES[name])
+    assert len(metric) >= 3, metric
+    if name == "reward":
+        assert metric[-1] > 0.9, metric
+    elif name == "distill":
+        assert metric[-1] < 0.5 * metric[0], metric
+    else:
+        assert all(math.isfinite(m) and m >= 0 for m in metric), metric  # z0 is clamped at 0
 
 
 def test_readme_python_example_trains(tmp_path):
