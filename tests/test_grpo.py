@@ -141,9 +141,9 @@ def test_grpo_matches_hand_computation_from_transformers(tmp_path, how, beta, it
     assert got["rollouts"] == 3 - iterations  # a rollout is reused for num_iterations steps
 
     def load(path):
-        return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    policy0, policy1, policy2 = load(source), load(tmp_path / "policy1"), load(tmp_path / "policy2")
+    policy0, policy1, policy2 = load(source), load(tmp_path / "run" / "policy1"), load(tmp_path / "run" / "policy2")
     with torch.no_grad():
         ref = hf_completion_logps(policy0, rollout)
         old1 = ref
@@ -294,3 +294,76 @@ def test_cli_refuses_before_launch(tmp_path, capsys, kwargs, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+# ------------------------------------------------------------------ prompt data
+def test_prompt_data_batches_groups_and_iterations(tmp_path):
+    """Each rank gets rows / num_generations prompts, each batch num_iterations times in a row,
+    with the dataset's other columns; prompts end with the generation prompt; long ones dropped."""
+    from types import SimpleNamespace
+
+    from lightning_mcore.data import PromptDataModule
+
+    records = [json.loads(line) for line in (ROOT / "configs/sample_data/prompts.jsonl").read_text().splitlines()]
+    long = {"prompt": "plus " * 200, "answer": "0"}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [long] + records[:8]) + "\n")
+    data = PromptDataModule(str(path), str(ROOT / "configs/sample_data/tiny-llama"), max_prompt_length=80,
+                            chat_template="chatml", shuffle=False)
+    module = SimpleNamespace(num_generations=4, num_iterations=2)
+    data.trainer = SimpleNamespace(
+        global_step=0, lightning_module=module,
+        strategy=SimpleNamespace(data_parallel_batch_size=8, distributed_sampler_kwargs={"rank": 0, "num_replicas": 1}))
+    data.setup("fit")
+    assert data.stats == {"prompts": 9, "dropped": 1}
+    batches = list(data.train_dataloader())
+    assert len(batches) == 8  # 8 prompts, 2 per batch, each batch twice
+    assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2]
+    assert batches[2]["prompt"] == [r["prompt"] for r in records[2:4]]
+    assert batches[2]["answer"] == [r["answer"] for r in records[2:4]]
+    text = data.tokenizer.decode(batches[2]["prompt_ids"][0])
+    assert text == f"<|im_start|>user\n{records[2]['prompt']}<|im_end|>\n<|im_start|>assistant\n", text
+    data.trainer.global_step = 4  # two rollouts done: the third batch of prompts comes next
+    assert next(iter(data.train_dataloader()))["prompt"] == [r["prompt"] for r in records[4:6]]
+    with pytest.raises(ValueError, match="column 'question' \\(the prompts\\) not found"):
+        PromptDataModule(str(path), str(ROOT / "configs/sample_data/tiny-llama"), 48, prompt="question",
+                         chat_template="chatml")
+
+
+@pytest.mark.distributed
+def test_grpo_learns_a_toy_reward(tmp_path):
+    """Acceptance 4 (needs KV-cache generation): the tiny model learns to answer "7"."""
+    pytest.importorskip("lightning_mcore.model.generation")
+    from lightning_mcore.data import PromptDataModule
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say a number ({i})", "answer": "7"}) + "\n" for i in range(64)))
+    out = tmp_path / "rewards.json"
+
+    class Rewards(L.Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            self.rows.append(float(trainer.callback_metrics["train/reward"]))
+
+        def on_train_end(self, trainer, pl_module):
+            out.write_text(json.dumps(self.rows))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=40, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[Rewards()],
+        strategy=MegatronStrategy(global_batch_size=16, micro_batch_size=8, start_method="fork"),
+    )
+    module = GRPOModule(str(ROOT / "configs/sample_data/tiny-llama"),
+                        OptimizerSettings(lr=3e-3, warmup_steps=0, decay_style="constant"),
+                        model_overrides={"seq_length": 96}, reward_funcs=[f"{__name__}.says_seven"],
+                        num_generations=8, max_completion_length=4)
+    data = PromptDataModule(str(path), str(ROOT / "configs/sample_data/tiny-llama"), 64, chat_template="chatml")
+    trainer.fit(module, data)
+    rewards = json.loads(out.read_text())
+    assert sum(rewards[:3]) / 3 < 0.2 and sum(rewards[-3:]) / 3 > 0.8, rewards
+
+
+def says_seven(prompts, completions, **_):
+    return [float(c.strip().startswith("7")) for c in completions]
