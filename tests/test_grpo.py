@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from hf_models import make_hf_model
-from lightning_mcore import MegatronStrategy, OptimizerSettings
+from lightning_mcore import LoRAConfig, MegatronStrategy, OptimizerSettings
 from lightning_mcore.objectives.grpo import GRPOModule, Rollout
 from lightning_mcore.objectives.grpo_loss import group_advantages, normalized, token_terms
 from lightning_mcore.rewards import boxed_answer, format_reward
@@ -46,9 +46,12 @@ class FixedRollout(GRPOModule):
         self.fixed, self.rollouts_made = rollout, 0
 
     def make_rollout(self, batch):
+        """This data-parallel rank's share of the fixed rollout (whole groups)."""
         self.rollouts_made += 1
-        r = self.fixed
-        return Rollout(r.prompt_ids, r.completion_ids, r.rewards.clone())
+        strategy, r = self._strategy(), self.fixed
+        n = len(r.prompt_ids) // strategy.data_parallel_size
+        mine = slice(strategy.data_parallel_rank * n, (strategy.data_parallel_rank + 1) * n)
+        return Rollout(r.prompt_ids[mine], r.completion_ids[mine], r.rewards[mine].clone())
 
 
 class Record(L.Callback):
@@ -124,11 +127,14 @@ def hf_step(model, rollout, old, ref, how, beta, eps_low, eps_high, scale=True):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("how, beta, iterations, scale", [("token", 0.1, 2, True), ("sequence", 0.3, 1, False)])
-def test_grpo_matches_hand_computation_from_transformers(tmp_path, how, beta, iterations, scale):
+@pytest.mark.parametrize("how, beta, iterations, scale, lora", [
+    ("token", 0.1, 2, True, False), ("sequence", 0.3, 1, False, False), ("token", 0.2, 1, True, True)])
+def test_grpo_matches_hand_computation_from_transformers(tmp_path, how, beta, iterations, scale, lora):
     """Two SGD steps (momentum 0.9, as mcore's SGD) on a fixed rollout. Step 2 meets a changed
     policy: the KL term is live, and with num_iterations=2 the ratio to the sampling policy
-    (step 0's weights) is clipped on some tokens."""
+    (step 0's weights) is clipped on some tokens. With LoRA the reference is the base with its
+    adapters off (taken again for the second rollout, after the adapters moved), and the losses
+    are compared (the weights move through the adapters)."""
     source = tmp_path / "source"
     make_hf_model("llama", source)
     rollout = fixed_rollout(2, 200, seed=3)
@@ -137,7 +143,8 @@ def test_grpo_matches_hand_computation_from_transformers(tmp_path, how, beta, it
                               decay_style="constant")
     got = run(tmp_path, "run", str(source), rollout, optim, export=True, model_overrides={"seq_length": SEQ},
               beta=beta, epsilon_low=eps_low, epsilon_high=eps_high, loss_normalization=how,
-              num_iterations=iterations, scale_advantages=scale)
+              num_iterations=iterations, scale_advantages=scale,
+              lora=LoRAConfig(rank=4, alpha=8.0) if lora else None)
     assert got["rollouts"] == 3 - iterations  # a rollout is reused for num_iterations steps
 
     def load(path):
@@ -160,6 +167,8 @@ def test_grpo_matches_hand_computation_from_transformers(tmp_path, how, beta, it
     assert abs(step2["clip_fraction"] - clip2) <= 1e-6
     if iterations == 2:
         assert clip2 > 0, "no ratio clipped: the test would not check the clip"
+    if lora:
+        return
 
     weights0 = dict(policy0.named_parameters())
     scale_g = max(float(g.abs().max()) for g in grad1.values())
@@ -173,19 +182,25 @@ def test_grpo_matches_hand_computation_from_transformers(tmp_path, how, beta, it
 
 @pytest.mark.distributed
 def test_grpo_layouts_agree(tmp_path):
-    """TP=2 and PP=2 equal TP=1 on a fixed rollout: SGD, 2 steps, a reused rollout with the
-    frozen-copy reference."""
+    """TP=2, PP=2 and DP=2 (a group per rank; the token count is global) equal TP=1 on a fixed
+    rollout: SGD, 3 steps, a reused rollout with the frozen-copy reference; and with LoRA (the
+    reference: adapters off), TP=2 equals TP=1."""
     rollout = fixed_rollout(2, 500, seed=5)
     optim = OptimizerSettings(lr=0.5, optimizer="sgd", clip_grad=0.0, weight_decay=0.0, warmup_steps=0)
     kwargs = dict(beta=0.2, epsilon_low=0.1, epsilon_high=0.2, num_iterations=2, steps=3)
     config = tiny_config(seq_length=SEQ)
-    runs = {name: [r["loss"] for r in run(tmp_path, name, config, rollout, optim, devices=d, **kwargs, **p)["rows"]]
-            for name, d, p in (("tp1", 1, {}), ("tp2", 2, dict(tensor_model_parallel_size=2)),
-                               ("pp2", 2, dict(pipeline_model_parallel_size=2)))}
-    assert len(set(runs["tp1"])) == 3, runs["tp1"]
-    for name in ("tp2", "pp2"):
-        for got, want in zip(runs[name], runs["tp1"]):
-            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (name, runs[name], runs["tp1"])
+    lora = dict(kwargs, lora=LoRAConfig(rank=4, alpha=8.0), num_iterations=1)
+    runs = {name: [r["loss"] for r in run(tmp_path, name, config, rollout, optim, devices=d, **k, **p)["rows"]]
+            for name, d, k, p in (("tp1", 1, kwargs, {}), ("tp2", 2, kwargs, dict(tensor_model_parallel_size=2)),
+                                  ("pp2", 2, kwargs, dict(pipeline_model_parallel_size=2)),
+                                  ("dp2", 2, kwargs, {}),
+                                  ("lora_tp1", 1, lora, {}),
+                                  ("lora_tp2", 2, lora, dict(tensor_model_parallel_size=2)))}
+    assert len(set(runs["tp1"])) == 3 and len(set(runs["lora_tp1"])) == 3, runs
+    for name, base in (("tp2", "tp1"), ("pp2", "tp1"), ("dp2", "tp1"), ("lora_tp2", "lora_tp1")):
+        assert len(runs[name]) == len(runs[base]) == 3, runs
+        for got, want in zip(runs[name], runs[base]):
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (name, runs[name], runs[base])
 
 
 # ------------------------------------------------------------------ pure functions
