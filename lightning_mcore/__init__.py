@@ -10,7 +10,7 @@ from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill import DistillModule, DistillSettings
 from lightning_mcore.objectives.dpo import DPOModule
-from lightning_mcore.objectives.grpo import GRPOModule, Sampling
+from lightning_mcore.objectives.grpo import GRPOModule, GRPOSampling
 from lightning_mcore.objectives.kto import KTOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
 from lightning_mcore.objectives.reward import RewardModule
@@ -28,6 +28,7 @@ __all__ = [
     "DPOModule",
     "GPTConfig",
     "GRPOModule",
+    "GRPOSampling",
     "HFExport",
     "KTOModule",
     "LayoutError",
@@ -39,7 +40,6 @@ __all__ = [
     "ParallelConfig",
     "PretrainModule",
     "RewardModule",
-    "Sampling",
     "SFTModule",
 ]
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from hf_models import make_hf_model
-from lightning_mcore import LoRAConfig, MegatronStrategy, OptimizerSettings
+from lightning_mcore import GRPOSampling, LoRAConfig, MegatronStrategy, OptimizerSettings
 from lightning_mcore.objectives.grpo import GRPOModule, Rollout
 from lightning_mcore.objectives.grpo_loss import group_advantages, normalized, token_terms
 from lightning_mcore.rewards import boxed_answer, format_reward
@@ -382,3 +382,67 @@ def test_grpo_learns_a_toy_reward(tmp_path):
 
 def says_seven(prompts, completions, **_):
     return [float(c.strip().startswith("7")) for c in completions]
+
+
+@pytest.mark.distributed
+def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
+    """The rollout path below a stand-in for generation (model/generation.py's API): each prompt
+    asked for num_generations times with its stop tokens and a per-step seed; rewards read the
+    decoded completions and the dataset's `answer` column."""
+    import sys
+    from types import ModuleType
+
+    from lightning_mcore.data import PromptDataModule
+
+    calls = tmp_path / "calls.jsonl"
+    tokenizer = PromptDataModule(str(ROOT / "configs/sample_data/prompts.jsonl"),
+                                 str(ROOT / "configs/sample_data/tiny-llama"), 80).tokenizer
+    fake = ModuleType("lightning_mcore.model.generation")
+
+    class SamplingSettings:
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    def generate_batch(strategy, chunks, prompts, cfg, sampling):
+        with open(calls, "a") as f:
+            f.write(json.dumps({"prompts": prompts, "stop": sampling.stop, "seed": sampling.seed,
+                                "max_new_tokens": sampling.max_new_tokens}) + "\n")
+        texts = ["\\boxed{3}", "\\boxed{13}", "it is 13", "14"]  # per completion of a group
+        return [tokenizer(texts[i % G], add_special_tokens=False)["input_ids"] for i in range(len(prompts))]
+
+    fake.SamplingSettings, fake.generate_batch = SamplingSettings, generate_batch
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {n} plus 10?", "answer": str(n + 10)}) + "\n"
+                            for n in (3, 4)))
+    out = tmp_path / "metrics.json"
+
+    class Metrics(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            out.write_text(json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}))
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[Metrics()],
+        strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=4, start_method="fork"),
+    )
+    module = GRPOModule(str(ROOT / "configs/sample_data/tiny-llama"), OptimizerSettings(lr=1e-3),
+                        model_overrides={"seq_length": 128}, num_generations=G, max_completion_length=16,
+                        reward_funcs=["lightning_mcore.rewards.boxed_answer"],
+                        sampling=GRPOSampling(seed=7, stop=[5]))
+    trainer.fit(module, PromptDataModule(str(path), str(ROOT / "configs/sample_data/tiny-llama"), 80, shuffle=False))
+    (call,) = [json.loads(line) for line in calls.read_text().splitlines()]
+    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": f"What is {n} plus 10?"}],
+                                                tokenize=False, add_generation_prompt=True) for n in (3, 4)]
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompt_ids]
+    assert call["prompts"] == [p for p in prompt_ids for _ in range(G)]
+    assert call["stop"] == sorted({5, tokenizer.eos_token_id}) and call["seed"] == 7
+    assert call["max_new_tokens"] == 16
+    metrics = json.loads(out.read_text())
+    # prompt 3+10: "\boxed{13}" and "it is 13" right; prompt 4+10: "14" right (the last number)
+    assert metrics["train/reward"] == 3 / 8
+    assert metrics["train/rewards/lightning_mcore.rewards.boxed_answer"] == 3 / 8
+    assert abs(metrics["train/reward_std"] - math.sqrt(3 / 8 * 5 / 8)) < 1e-6
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in ["\\boxed{3}", "\\boxed{13}", "it is 13", "14"]]
+    assert metrics["train/completion_length"] == sum(lengths) / G
+    assert metrics["train/completion_length_max"] == max(lengths)

@@ -23,6 +23,7 @@ starting weights sharded like the policy, as in DPO; its log-probs are taken onc
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
@@ -41,7 +42,7 @@ from lightning_mcore.strategy.parallel import LayoutError
 
 
 @dataclass
-class Sampling:
+class GRPOSampling:
     """How rollouts are sampled (model/generation.py's SamplingSettings without the length,
     which is GRPOModule's max_completion_length). `stop`: token ids that end a completion, besides
     the prompt data's own (its tokenizer's end-of-sequence and end-of-turn tokens). `seed` is
@@ -91,7 +92,7 @@ class GRPOModule(MegatronModule):
         reward_weights: Optional[list[float]] = None,
         num_generations: int = 8,
         max_completion_length: int = 64,
-        sampling: Optional[Sampling] = None,
+        sampling: Optional[GRPOSampling] = None,
         beta: float = 0.0,
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.2,
@@ -132,7 +133,7 @@ class GRPOModule(MegatronModule):
         if not isinstance(num_iterations, int) or num_iterations < 1:
             raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations}")
         self.num_generations, self.max_completion_length = num_generations, max_completion_length
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling or GRPOSampling()
         self.beta, self.epsilon_low, self.epsilon_high = float(beta), epsilon_low, epsilon_high
         self.loss_normalization, self.scale_advantages = loss_normalization, scale_advantages
         self.num_iterations = num_iterations
@@ -180,8 +181,16 @@ class GRPOModule(MegatronModule):
     # ------------------------------------------------------------ rollouts
     def training_step(self, batch, batch_idx: int):
         if self._rollout is None or self._rollout.steps >= self.num_iterations:
+            start = time.perf_counter()
             self._rollout = self.make_rollout(batch)
-        return self.train_on_rollout(self._rollout)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(c) for c in self._rollout.completion_ids)
+            self.log_dict({"train/rollout_s": seconds, "train/rollout_tokens_per_s": tokens / max(seconds, 1e-9)},
+                          batch_size=1)
+        start = time.perf_counter()
+        loss = self.train_on_rollout(self._rollout)
+        self.log("train/train_step_s", time.perf_counter() - start, batch_size=1)
+        return loss
 
     def make_rollout(self, batch: dict) -> Rollout:
         """Generate `num_generations` completions for each prompt of `batch` with the current
@@ -226,7 +235,10 @@ class GRPOModule(MegatronModule):
                              f"whole groups of num_generations={self.num_generations}")
         rows = []
         for prompt, completion in zip(rollout.prompt_ids, rollout.completion_ids):
-            completion = list(completion)[: self.max_completion_length]
+            completion = list(completion)
+            if len(completion) > self.max_completion_length:
+                raise ValueError(f"a completion of {len(completion)} tokens is longer than "
+                                 f"max_completion_length={self.max_completion_length}")
             if len(prompt) + len(completion) > seq:
                 raise ValueError(f"a prompt of {len(prompt)} tokens + its completion of "
                                  f"{len(completion)} exceed the model's seq_length={seq}")
