@@ -443,6 +443,7 @@ def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
     assert metrics["train/reward"] == 3 / 8
     assert metrics["train/rewards/lightning_mcore.rewards.boxed_answer"] == 3 / 8
     assert abs(metrics["train/reward_std"] - math.sqrt(3 / 8 * 5 / 8)) < 1e-6
-    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in ["\\boxed{3}", "\\boxed{13}", "it is 13", "14"]]
+    texts = ["\\boxed{3}", "\\boxed{13}", "it is 13", "14"]
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     assert metrics["train/completion_length"] == sum(lengths) / G
     assert metrics["train/completion_length_max"] == max(lengths)

@@ -185,8 +185,8 @@ class GRPOModule(MegatronModule):
             self._rollout = self.make_rollout(batch)
             seconds = time.perf_counter() - start
             tokens = sum(len(c) for c in self._rollout.completion_ids)
-            self.log_dict({"train/rollout_s": seconds, "train/rollout_tokens_per_s": tokens / max(seconds, 1e-9)},
-                          batch_size=1)
+            self.log_dict({"train/rollout_s": seconds,
+                           "train/rollout_tokens_per_s": tokens / max(seconds, 1e-9)}, batch_size=1)
         start = time.perf_counter()
         loss = self.train_on_rollout(self._rollout)
         self.log("train/train_step_s", time.perf_counter() - start, batch_size=1)
