@@ -100,6 +100,9 @@ class PromptDataModule(DataParallelDataModule):
         self.paths = [paths] if isinstance(paths, str) else list(paths)
         check_options(self.paths, max_prompt_length, 0.0, tokenizer)
         self.save_hyperparameters()
+        # The longest row this module yields (DataParallelDataModule's seq_length; the CLI
+        # checks it against the model's): a prompt, its completion comes on top.
+        self.hparams["seq_length"] = max_prompt_length
         self.stats: dict[str, Any] = {}
         check_template(self, chat_template)
         peek.check_records(self.paths, lambda names: self._reader(names))
