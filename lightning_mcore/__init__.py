@@ -10,6 +10,7 @@ from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill import DistillModule, DistillSettings
 from lightning_mcore.objectives.dpo import DPOModule
+from lightning_mcore.objectives.grpo import GRPOModule, GRPOSampling
 from lightning_mcore.objectives.kto import KTOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
 from lightning_mcore.objectives.reward import RewardModule
@@ -26,6 +27,8 @@ __all__ = [
     "DistillSettings",
     "DPOModule",
     "GPTConfig",
+    "GRPOModule",
+    "GRPOSampling",
     "HFExport",
     "KTOModule",
     "LayoutError",

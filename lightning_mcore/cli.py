@@ -155,7 +155,17 @@ class MegatronCLI(LightningCLI):
                                   lambda p: checkpoint_io.read_resumed(p, module.model_config, tp,
                                                                        getattr(module, "lora", None)))
         self._check_data_tokenizer(module)
+        self._check_prompt_room(module)
         self._check_export_targets()
+
+    def _check_prompt_room(self, module: MegatronModule) -> None:
+        """A module that generates (GRPO) needs room for its completions after the prompts."""
+        length = getattr(getattr(self, "datamodule", None), "max_prompt_length", None)
+        if hasattr(module, "check_prompt_length") and isinstance(length, int):
+            try:
+                module.check_prompt_length(length, f"data.init_args.max_prompt_length={length}")
+            except ValueError as error:
+                self._error(f"model.init_args.max_completion_length: {error}", error)
 
     def _check_data_tokenizer(self, module: MegatronModule) -> None:
         """A module that reads a second model (a distillation teacher) checks its tokenizer."""

@@ -6,6 +6,7 @@ from lightning_mcore.data.dpo import DPODataModule
 from lightning_mcore.data.indexed import HFTokenizerAdapter, build_indexed_datasets
 from lightning_mcore.data.kto import KTODataModule
 from lightning_mcore.data.pretrain import PackedSequences, PretrainDataModule
+from lightning_mcore.data.prompts import PromptDataModule
 from lightning_mcore.data.reward import RewardDataModule
 from lightning_mcore.data.sampler import DataParallelSampler
 from lightning_mcore.data.sft import SFTDataModule
@@ -17,6 +18,7 @@ __all__ = [
     "KTODataModule",
     "PackedSequences",
     "PretrainDataModule",
+    "PromptDataModule",
     "RewardDataModule",
     "SFTDataModule",
     "build_indexed_datasets",

@@ -164,6 +164,8 @@ class MegatronStrategy(DDPStrategy):
             from lightning_mcore.model.lora_checks import check_lora_plan
 
             check_lora_plan(module.lora, model_config, self.uses_te(model_config))
+        if hasattr(module, "check_layout"):  # the module's own needs of the batch (GRPO's groups)
+            module.check_layout(self)
 
     def setup_environment(self) -> None:
         self.validate_module(self.lightning_module)  # still before any process group exists

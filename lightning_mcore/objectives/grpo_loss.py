@@ -1,0 +1,88 @@
+"""GRPO's arithmetic as pure functions (tensors in, tensors out), checkable by hand.
+
+    A_i     = (r_i - mean_group(r)) / (std_group(r) + eps)      (scale=False: Dr. GRPO, no std)
+    rho_t   = exp(logp_t - old_t)
+    loss_t  = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
+              + beta (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)   (k3 estimate of KL, beta > 0)
+
+Normalization of the per-token losses over the completion tokens of the global batch:
+"token" (DAPO): sum over all tokens / number of tokens; "sequence" (GRPO): each completion's
+mean over its tokens, then the mean over completions. Both come back as (sum, count) pairs, the
+reduction mcore's schedule adds over microbatches and data-parallel ranks (objectives/loss.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+NORMALIZATIONS = ("token", "sequence")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """[N] advantages of [N] rewards in consecutive groups of `group_size` (the completions of
+    one prompt): reward minus the group mean, divided by the group's (unbiased) std + eps when
+    `scale`. A group whose rewards are all equal gets 0 everywhere (nothing to learn from)."""
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.double().reshape(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    return centered.reshape(-1).to(rewards.dtype)
+
+
+@dataclass
+class TokenTerms:
+    """Per-token pieces of the loss, each [rows, seq]: `loss` (to normalize), `clipped` (1 where
+    the clipped branch is the one taken, so the token gives no gradient), `kl` (k3; zeros when
+    beta is 0)."""
+
+    loss: torch.Tensor
+    clipped: torch.Tensor
+    kl: torch.Tensor
+
+
+def token_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                epsilon_low: float, epsilon_high: float, beta: float = 0.0,
+                ref_logp: Optional[torch.Tensor] = None) -> TokenTerms:
+    """The clipped-ratio loss of every token: `logp`, `old_logp`, `ref_logp` [rows, seq] (the
+    policy being trained, the one that sampled, the reference), `advantages` [rows]."""
+    adv = advantages[:, None].to(logp.dtype)
+    ratio = torch.exp(logp - old_logp)
+    clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = -torch.min(ratio * adv, clipped_ratio * adv)
+    clipped = ((ratio < 1.0 - epsilon_low) & (adv < 0)) | ((ratio > 1.0 + epsilon_high) & (adv > 0))
+    kl = torch.zeros_like(logp)
+    if beta > 0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs the reference model's log-probs")
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1.0
+        loss = loss + beta * kl
+    return TokenTerms(loss, clipped.to(logp.dtype), kl)
+
+
+def normalized(values: torch.Tensor, mask: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of [rows, seq] `values` over the `mask`ed tokens: "token" sums every token
+    and counts tokens; "sequence" sums each row's mean and counts rows (rows without a token
+    count as none)."""
+    if how not in NORMALIZATIONS:
+        raise ValueError(f"loss_normalization must be one of {NORMALIZATIONS}, got {how!r}")
+    mask = mask.to(values.dtype)
+    per_row = (values * mask).sum(dim=-1)
+    tokens = mask.sum(dim=-1)
+    if how == "token":
+        return per_row.sum(), tokens.sum()
+    has = tokens > 0
+    return (per_row[has] / tokens[has]).sum(), has.sum().to(values.dtype)
+
+
+def sequence_stats(values: torch.Tensor) -> dict[str, float]:
+    """mean, std (population) and max of a 1-D tensor, as floats for logging."""
+    values = values.double()
+    return {"mean": float(values.mean()), "std": float(values.std(unbiased=False)),
+            "max": float(values.max())}
