@@ -1,7 +1,7 @@
 """Logits and greedy generation through the strategy's forward-only schedule.
 
-Collective: every rank calls these with the same tokens and gets the same result. For checks
-and demos (no KV cache: each new token re-runs the whole sequence), not serving.
+Collective: every rank calls these with the same tokens and gets the same result. Batched and
+sampled generation with a KV cache: model/generation.py.
 """
 
 from __future__ import annotations
@@ -41,21 +41,11 @@ def forward_logits(strategy, chunks, tokens: torch.Tensor, cfg,
     return strategy.forward_only(micro, step, list(chunks), (seq, 1), (rows, seq, vocab))
 
 
-@torch.no_grad()
 def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, cfg,
              stop: Optional[list[int]] = None) -> list[int]:
-    """Greedy continuation of one prompt; stops after any token in `stop`."""
-    seq_length = cfg.seq_length
-    if len(prompt) + max_new_tokens > seq_length:
-        raise ValueError(
-            f"generate: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) is "
-            f"longer than the model's seq_length={seq_length}; use at most "
-            f"{max(seq_length - len(prompt), 0)} new tokens or a shorter prompt."
-        )
-    tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        logits = forward_logits(strategy, chunks, torch.tensor([tokens]), cfg)
-        tokens.append(int(logits[0, -1].argmax()))
-        if stop and tokens[-1] in stop:
-            break
-    return tokens[len(prompt):]
+    """Greedy continuation of one prompt (with a KV cache: model/generation.py); stops after
+    any token in `stop` (kept)."""
+    from lightning_mcore.model.generation import SamplingSettings, generate_batch
+
+    sampling = SamplingSettings(max_new_tokens=max_new_tokens, greedy=True, stop=list(stop or []))
+    return generate_batch(strategy, chunks, [list(prompt)], cfg, sampling)[0]
