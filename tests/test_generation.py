@@ -47,6 +47,8 @@ class Generate(L.Callback):
             "seed1_again": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=1)),
             "seed2": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=2)),
         }
+        got["sequence_parallel_after"] = sorted({bool(m.sequence_parallel) for c in pl_module.chunks
+                                                 for m in c.modules() if hasattr(m, "sequence_parallel")})
         stop = got["greedy"][0][2]
         got["stop_token"] = stop
         got["stopped"] = pl_module.generate_batch(PROMPTS, SamplingSettings(**{**asdict(greedy), "stop": [stop]}))
@@ -93,12 +95,17 @@ def test_kv_cache_generation_matches_no_cache_and_transformers_at_tp1_tp2_pp2(tm
     hf = make_hf_model("llama", source)
     runs = {"tp1": run(tmp_path, str(source), 1, "tp1"),
             "tp2": run(tmp_path, str(source), 2, "tp2", tensor_model_parallel_size=2),
-            "pp2": run(tmp_path, str(source), 2, "pp2", pipeline_model_parallel_size=2)}
+            "pp2": run(tmp_path, str(source), 2, "pp2", pipeline_model_parallel_size=2),
+            # sequence parallelism: no cache (a one-token step cannot be split over TP ranks)
+            "tp2_sp": run(tmp_path, str(source), 2, "tp2_sp", tensor_model_parallel_size=2,
+                          sequence_parallel=True)}
     for name, got in runs.items():
         check_one_layout(got)
     assert runs["tp1"]["greedy"] == hf_greedy(hf)
-    for name in ("tp2", "pp2"):
+    for name in ("tp2", "pp2", "tp2_sp"):
         assert runs[name]["greedy"] == runs["tp1"]["greedy"], name
+    assert runs["tp2_sp"]["sequence_parallel_after"] == [True]  # switched off for the cache, then back
+    assert runs["tp2"]["sequence_parallel_after"] == [False]
     assert runs["tp2"]["seed1"] == runs["tp1"]["seed1"]
     assert runs["tp2"]["seed2"] == runs["tp1"]["seed2"]
 

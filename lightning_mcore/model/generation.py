@@ -83,7 +83,7 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg, sampling: Sa
     """Collective (every rank calls with the same prompts, gets the same result): the completion
     (new tokens only) of each prompt, with a KV cache (`strategy`: a MegatronStrategy or a
     callable giving one; `cfg`: the GPTConfig)."""
-    from lightning_mcore.model.kv_cache import CachedForward, RecomputeForward, cache_unavailable
+    from lightning_mcore.model.kv_cache import next_token_logits
 
     refuse_too_long(prompts, sampling.max_new_tokens, cfg.seq_length)
     strategy = strategy() if callable(strategy) else strategy
@@ -97,14 +97,7 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg, sampling: Sa
     completions: list[list[int]] = [[] for _ in prompts]
     done = [False] * rows
 
-    training = [c.training for c in chunks]
-    for c in chunks:
-        c.eval()  # mcore uses the inference context only in eval mode (and no dropout)
-    try:
-        if cache_unavailable(strategy, cfg):
-            forward = RecomputeForward(strategy, chunks, cfg)
-        else:
-            forward = CachedForward(strategy, chunks, cfg, rows, total)
+    with next_token_logits(strategy, chunks, cfg, rows, total) as forward:
         position = min(lengths)
         logits = forward(torch.tensor([p[:position] for p in prompts]))
         while True:
@@ -123,6 +116,3 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg, sampling: Sa
                 return completions
             logits = forward(torch.tensor(column).unsqueeze(1))
             position += 1
-    finally:
-        for c, mode in zip(chunks, training):
-            c.train(mode)

@@ -28,9 +28,17 @@ def forward_logits(strategy, chunks, tokens: torch.Tensor, cfg,
     vocab = cfg.vocab_size
     device = strategy.root_device
     tokens = tokens.to(device)
-    rows, seq = tokens.shape
+    rows, length = tokens.shape
     if position_ids is None:
-        position_ids = torch.arange(seq, device=device).expand(rows, seq)
+        position_ids = torch.arange(length, device=device).expand(rows, length)
+    position_ids = position_ids.to(device)
+    seq = length
+    if strategy.parallel.sequence_parallel:
+        # The sequence is split over tensor-parallel ranks: pad on the right to a multiple of
+        # their number (causal attention: the padding changes no logit before it).
+        seq += -length % strategy.parallel.tensor_model_parallel_size
+        tokens = torch.cat([tokens, tokens.new_zeros(rows, seq - length)], dim=1)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(rows, seq - length)], dim=1)
     micro = [{"tokens": tokens[i : i + 1], "position_ids": position_ids[i : i + 1]} for i in range(rows)]
 
     def step(mb, model):
@@ -38,7 +46,8 @@ def forward_logits(strategy, chunks, tokens: torch.Tensor, cfg,
         gather = tensor_parallel.gather_from_tensor_model_parallel_region
         return out, lambda logits: gather(logits)[..., :vocab]
 
-    return strategy.forward_only(micro, step, list(chunks), (seq, 1), (rows, seq, vocab))
+    logits = strategy.forward_only(micro, step, list(chunks), (seq, 1), (rows, seq, vocab))
+    return logits if seq == length else logits[:, :length].contiguous()
 
 
 def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, cfg,

@@ -9,11 +9,12 @@ forward-only schedule, so pipeline stages pass hidden states as in training; one
 chunk, all advanced together.
 
 `RecomputeForward` has no cache: each call re-runs the whole rows (forward_logits). It serves
-layouts where the cache path is not available (sequence parallelism: a one-token step cannot
-be split over tensor-parallel ranks; multi-latent attention: its cache is not checked here).
+models and layouts where the cache is not available (see cache_unavailable).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -21,12 +22,37 @@ from lightning_mcore.model.inference import forward_logits
 
 
 def cache_unavailable(strategy, cfg) -> str:
-    """Why the KV cache is not used at this layout/model ("" when it is)."""
-    if strategy.parallel.sequence_parallel:
-        return "sequence_parallel"
-    if getattr(cfg, "multi_latent_attention", False):
+    """Why the KV cache is not used for this model at this layout ("" when it is)."""
+    if strategy.parallel.sequence_parallel and cfg.num_moe_experts:
+        return "sequence parallelism with MoE layers"
+    if cfg.mla is not None:
         return "multi-latent attention"
     return ""
+
+
+@contextlib.contextmanager
+def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int):
+    """A CachedForward (or a RecomputeForward where the cache is unavailable), with the chunks
+    in eval mode (mcore reads the inference context only there; no dropout) and, for the
+    cache, sequence parallelism off (as mcore's own engine does: a one-token step cannot be
+    split over tensor-parallel ranks); both restored after."""
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+    from megatron.core.utils import unwrap_model
+
+    training = [c.training for c in chunks]
+    cached = not cache_unavailable(strategy, cfg)
+    sequence_parallel = cached and strategy.parallel.sequence_parallel
+    try:
+        for c in chunks:
+            c.eval()
+            if sequence_parallel:
+                set_model_to_sequence_parallel(unwrap_model(c), False)
+        yield CachedForward(strategy, chunks, cfg, rows, max_length) if cached else RecomputeForward(strategy, chunks, cfg)
+    finally:
+        for c, mode in zip(chunks, training):
+            c.train(mode)
+            if sequence_parallel:
+                set_model_to_sequence_parallel(unwrap_model(c), True)
 
 
 class CachedForward:
