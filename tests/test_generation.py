@@ -145,3 +145,14 @@ def test_too_long_requests_and_bad_settings_are_refused():
         SamplingSettings(temperature=0.0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         SamplingSettings(top_p=0.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma3"])
+def test_kv_cache_generation_for_latent_attention_and_windows(family, tmp_path):
+    """Multi-latent attention (DeepSeek-V3, YaRN); Gemma 3's local RoPE and sliding windows
+    (the longest prompt + completion runs past the window of 8)."""
+    source = tmp_path / family
+    hf = make_hf_model(family, source)
+    got = run(tmp_path, str(source), 1, family)
+    assert got["greedy"] == got["reference"] == hf_greedy(hf)
