@@ -36,9 +36,13 @@ class Generate(L.Callback):
     def __init__(self, out) -> None:
         self.out = out
 
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.predicted = outputs  # predict_step on a batch of prompts: greedy completions
+
     def on_predict_end(self, trainer, pl_module):
         greedy = SamplingSettings(max_new_tokens=NEW, greedy=True)
         got = {
+            "predicted": self.predicted,
             "greedy": pl_module.generate_batch(PROMPTS, greedy),
             "reference": [no_cache_greedy(pl_module, p, NEW) for p in PROMPTS],
             "one": pl_module.generate(PROMPTS[1], NEW),
@@ -63,7 +67,8 @@ def run(tmp_path, source: str, devices: int, name: str, **parallel) -> dict:
         callbacks=[Generate(out)],
         strategy=MegatronStrategy(global_batch_size=devices, start_method="fork", **parallel),
     )
-    trainer.predict(PretrainModule(source), DataLoader([{"tokens": torch.arange(4)}], batch_size=1))
+    prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
+    trainer.predict(PretrainModule(source), DataLoader([prompts], batch_size=None))
     got = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(devices)]
     assert all(g == got[0] for g in got[1:]), "ranks disagree"
     return got[0]
@@ -78,6 +83,7 @@ def hf_greedy(hf) -> list[list[int]]:
 
 def check_one_layout(got: dict) -> None:
     assert got["greedy"] == got["reference"], got
+    assert got["predicted"] == got["greedy"]
     assert got["one"] == got["reference"][1]
     assert all(len(c) == NEW for c in got["greedy"])
     assert got["top_k_1"] == got["greedy"]  # top-k 1 leaves only the argmax to draw
