@@ -55,14 +55,14 @@ def refuse_too_long(prompts: list[list[int]], max_new_tokens: int, seq_length: i
 
 def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
     """Next token of each row of `logits` [rows, vocab]: argmax, or a draw from the
-    temperature/top-k/top-p distribution by inverse CDF of one uniform per row (on CPU, in
-    float64, so every rank and layout draws alike)."""
-    logits = logits.detach().to("cpu", torch.float64)
+    temperature/top-k/top-p distribution by inverse CDF of one uniform per row, drawn from
+    `generator` (a CPU one, so every rank and layout draws alike); float64 on the logits' device."""
+    logits = logits.detach().double()
     if not torch.isfinite(logits).all():
         raise FloatingPointError("generate: the model's logits are not finite (NaN/inf).")
-    uniform = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
+    uniform = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64).to(logits.device)
     if sampling.greedy:
-        return logits.argmax(-1)
+        return logits.argmax(-1).cpu()
     logits = logits / sampling.temperature
     if sampling.top_k:
         kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -75,7 +75,7 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, generator: t
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     cdf = probs.cumsum(-1)
     picks = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-    return picks.clamp(max=logits.shape[-1] - 1)
+    return picks.clamp(max=logits.shape[-1] - 1).cpu()
 
 
 @torch.no_grad()
