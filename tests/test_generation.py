@@ -117,12 +117,16 @@ def test_kv_cache_generation_matches_no_cache_and_transformers_at_tp1_tp2_pp2(tm
 
 
 @pytest.mark.distributed
-def test_kv_cache_generation_matches_no_cache_for_moe_at_ep2(tmp_path):
+def test_kv_cache_generation_matches_no_cache_for_moe_at_ep2_and_tp2_sp(tmp_path):
     source = tmp_path / "qwen3_moe"
     hf = make_hf_model("qwen3_moe", source)
-    got = run(tmp_path, str(source), 2, "ep2", expert_model_parallel_size=2)
-    check_one_layout(got)
-    assert got["greedy"] == hf_greedy(hf)
+    want = hf_greedy(hf)
+    for name, parallel in (("ep2", dict(expert_model_parallel_size=2)),
+                           # MoE under sequence parallelism: no cache (the recompute path)
+                           ("tp2_sp", dict(tensor_model_parallel_size=2, sequence_parallel=True))):
+        got = run(tmp_path, str(source), 2, name, **parallel)
+        check_one_layout(got)
+        assert got["greedy"] == want, name
 
 
 def test_sampling_keeps_to_top_k_and_top_p():
@@ -162,3 +166,25 @@ def test_kv_cache_generation_for_latent_attention_and_windows(family, tmp_path):
     hf = make_hf_model(family, source)
     got = run(tmp_path, str(source), 1, family)
     assert got["greedy"] == got["reference"] == hf_greedy(hf)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
+    """The cache on CUDA through the TE spec (TE's attention), fp32: as without a cache and as
+    transformers (greedy); seeded sampling reproducible."""
+    source = tmp_path / "llama"
+    hf = make_hf_model("llama", source)
+    out = tmp_path / "gpu.json"
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        strategy=MegatronStrategy(global_batch_size=1, start_method="popen"), callbacks=[Generate(out)],
+    )
+    module = PretrainModule(str(source))
+    assert module.model_config.uses_te("gpu")
+    prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
+    trainer.predict(module, DataLoader([prompts], batch_size=None))
+    got = json.loads((tmp_path / "gpu.rank0.json").read_text())
+    check_one_layout(got)
+    assert got["greedy"] == hf_greedy(hf)
