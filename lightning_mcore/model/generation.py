@@ -29,7 +29,8 @@ class SamplingSettings:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError(f"SamplingSettings: max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}.")
+            raise ValueError(f"SamplingSettings: max_new_tokens must be an int >= 0, "
+                             f"got {self.max_new_tokens!r}.")
         if not self.greedy and not self.temperature > 0:
             raise ValueError(f"SamplingSettings: temperature must be > 0, got {self.temperature!r} "
                              f"(use greedy=True for argmax).")
@@ -53,7 +54,8 @@ def refuse_too_long(prompts: list[list[int]], max_new_tokens: int, seq_length: i
             )
 
 
-def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings,
+                  generator: torch.Generator) -> torch.Tensor:
     """Next token of each row of `logits` [rows, vocab]: argmax, or a draw from the
     temperature/top-k/top-p distribution by inverse CDF of one uniform per row, drawn from
     `generator` (a CPU one, so every rank and layout draws alike); float64 on the logits' device."""
@@ -79,7 +81,8 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings, generator: t
 
 
 @torch.no_grad()
-def generate_batch(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings) -> list[list[int]]:
+def generate_batch(strategy, chunks, prompts: list[list[int]], cfg,
+                   sampling: SamplingSettings) -> list[list[int]]:
     """Collective (every rank calls with the same prompts, gets the same result): the completion
     (new tokens only) of each prompt, with a KV cache (`strategy`: a MegatronStrategy or a
     callable giving one; `cfg`: the GPTConfig)."""

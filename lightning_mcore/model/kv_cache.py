@@ -45,7 +45,10 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int):
             c.eval()
             if sequence_parallel:
                 set_model_to_sequence_parallel(unwrap_model(c), False)
-        yield CachedForward(strategy, chunks, cfg, rows, max_length) if cached else RecomputeForward(strategy, chunks, cfg)
+        if cached:
+            yield CachedForward(strategy, chunks, cfg, rows, max_length)
+        else:
+            yield RecomputeForward(strategy, chunks, cfg)
     finally:
         for c, mode in zip(chunks, training):
             c.train(mode)

@@ -227,7 +227,8 @@ class MegatronModule(L.LightningModule):
         return inference.generate(self._strategy, self.chunks, prompt, max_new_tokens,
                                   self.model_config, stop)
 
-    def generate_batch(self, prompts: list[list[int]], sampling: "generation.SamplingSettings") -> list[list[int]]:
+    def generate_batch(self, prompts: list[list[int]],
+                       sampling: generation.SamplingSettings) -> list[list[int]]:
         """Completions (new tokens only) of `prompts`, greedy or sampled (collective)."""
         return generation.generate_batch(self._strategy, self.chunks, prompts, self.model_config, sampling)
 
