@@ -161,8 +161,9 @@ def _mask_padded_vocab(vocab_size: int):
 
     def hook(module, args, output):
         logits, bias = output
-        width = logits.shape[-1]  # this rank's vocab slice
-        start = parallel_state.get_tensor_model_parallel_rank() * width
+        width = logits.shape[-1]  # this rank's vocab slice, or all of it (gathered: inference)
+        gathered = width == getattr(module, "output_size", None)
+        start = 0 if gathered else parallel_state.get_tensor_model_parallel_rank() * width
         first_pad = max(0, vocab_size - start)
         if first_pad < width:
             logits = logits.clone()

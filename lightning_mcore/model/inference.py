@@ -1,7 +1,7 @@
 """Logits and greedy generation through the strategy's forward-only schedule.
 
-Collective: every rank calls these with the same tokens and gets the same result. For checks
-and demos (no KV cache: each new token re-runs the whole sequence), not serving.
+Collective: every rank calls these with the same tokens and gets the same result. Batched and
+sampled generation with a KV cache: model/generation.py.
 """
 
 from __future__ import annotations
@@ -28,9 +28,17 @@ def forward_logits(strategy, chunks, tokens: torch.Tensor, cfg,
     vocab = cfg.vocab_size
     device = strategy.root_device
     tokens = tokens.to(device)
-    rows, seq = tokens.shape
+    rows, length = tokens.shape
     if position_ids is None:
-        position_ids = torch.arange(seq, device=device).expand(rows, seq)
+        position_ids = torch.arange(length, device=device).expand(rows, length)
+    position_ids = position_ids.to(device)
+    seq = length
+    if strategy.parallel.sequence_parallel:
+        # The sequence is split over tensor-parallel ranks: pad on the right to a multiple of
+        # their number (causal attention: the padding changes no logit before it).
+        seq += -length % strategy.parallel.tensor_model_parallel_size
+        tokens = torch.cat([tokens, tokens.new_zeros(rows, seq - length)], dim=1)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(rows, seq - length)], dim=1)
     micro = [{"tokens": tokens[i : i + 1], "position_ids": position_ids[i : i + 1]} for i in range(rows)]
 
     def step(mb, model):
@@ -38,24 +46,15 @@ def forward_logits(strategy, chunks, tokens: torch.Tensor, cfg,
         gather = tensor_parallel.gather_from_tensor_model_parallel_region
         return out, lambda logits: gather(logits)[..., :vocab]
 
-    return strategy.forward_only(micro, step, list(chunks), (seq, 1), (rows, seq, vocab))
+    logits = strategy.forward_only(micro, step, list(chunks), (seq, 1), (rows, seq, vocab))
+    return logits if seq == length else logits[:, :length].contiguous()
 
 
-@torch.no_grad()
 def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, cfg,
              stop: Optional[list[int]] = None) -> list[int]:
-    """Greedy continuation of one prompt; stops after any token in `stop`."""
-    seq_length = cfg.seq_length
-    if len(prompt) + max_new_tokens > seq_length:
-        raise ValueError(
-            f"generate: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) is "
-            f"longer than the model's seq_length={seq_length}; use at most "
-            f"{max(seq_length - len(prompt), 0)} new tokens or a shorter prompt."
-        )
-    tokens = list(prompt)
-    for _ in range(max_new_tokens):
-        logits = forward_logits(strategy, chunks, torch.tensor([tokens]), cfg)
-        tokens.append(int(logits[0, -1].argmax()))
-        if stop and tokens[-1] in stop:
-            break
-    return tokens[len(prompt):]
+    """Greedy continuation of one prompt (with a KV cache: model/generation.py); stops after
+    any token in `stop` (kept)."""
+    from lightning_mcore.model.generation import SamplingSettings, generate_batch
+
+    sampling = SamplingSettings(max_new_tokens=max_new_tokens, greedy=True, stop=list(stop or []))
+    return generate_batch(strategy, chunks, [list(prompt)], cfg, sampling)[0]

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mcore import models
 from lightning_mcore.hf.load import load_hf_weights
-from lightning_mcore.model import inference
+from lightning_mcore.model import generation, inference
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.strategy.optimizer import OptimizerSettings
@@ -222,14 +222,22 @@ class MegatronModule(L.LightningModule):
                                         position_ids)
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop: Optional[list[int]] = None) -> list[int]:
-        """Greedy continuation of one prompt, without a KV cache (each token re-runs the
-        whole sequence): for checks and demos, not serving. Collective: call on every rank;
-        every rank returns the same tokens. Stops after any token in `stop`."""
+        """Greedy continuation of one prompt (KV cache). Collective: call on every rank; every
+        rank returns the same tokens. Stops after any token in `stop` (kept)."""
         return inference.generate(self._strategy, self.chunks, prompt, max_new_tokens,
                                   self.model_config, stop)
 
+    def generate_batch(self, prompts: list[list[int]],
+                       sampling: generation.SamplingSettings) -> list[list[int]]:
+        """Completions (new tokens only) of `prompts`, greedy or sampled (collective)."""
+        return generation.generate_batch(self._strategy, self.chunks, prompts, self.model_config, sampling)
+
     def predict_step(self, batch: dict, batch_idx: int):
-        """Full-vocabulary logits [batch, seq, vocab] of batch["tokens"] (on every rank)."""
+        """Full-vocabulary logits [batch, seq, vocab] of batch["tokens"] (on every rank); or, for
+        a batch {"prompts": [[ids]], "sampling": SamplingSettings (optional, greedy)}, the completions."""
+        if "prompts" in batch:
+            sampling = batch.get("sampling") or generation.SamplingSettings(greedy=True)
+            return self.generate_batch(batch["prompts"], sampling)
         return self.forward_logits(batch["tokens"], batch.get("position_ids"))
 
     def validation_step(self, batch: dict, batch_idx: int):

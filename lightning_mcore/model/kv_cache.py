@@ -1,0 +1,113 @@
+"""Next-token logits of a batch of rows, one new column at a time, from the mcore chunks.
+
+`CachedForward` keeps each layer's keys and values in Megatron-Core's `StaticInferenceContext`
+(passed to GPTModel.forward as `inference_context`: every attention layer appends its K/V and
+attends over the cache; only the last position reaches the output layer, whose logits mcore
+gathers over tensor-parallel ranks). We allocate the cache buffers ourselves on the strategy's
+device, as mcore's own allocation asks for a CUDA device. Every call goes through the strategy's
+forward-only schedule, so pipeline stages pass hidden states as in training; one context per
+chunk, all advanced together.
+
+`RecomputeForward` has no cache: each call re-runs the whole rows (forward_logits). It serves
+models and layouts where the cache is not available (see cache_unavailable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from lightning_mcore.model.inference import forward_logits
+
+
+def cache_unavailable(strategy, cfg) -> str:
+    """Why the KV cache is not used for this model at this layout ("" when it is)."""
+    if strategy.parallel.sequence_parallel and cfg.num_moe_experts:
+        return "sequence parallelism with MoE layers"  # not checked with SP switched off
+    return ""
+
+
+@contextlib.contextmanager
+def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int):
+    """A CachedForward (or a RecomputeForward where the cache is unavailable), with the chunks
+    in eval mode (mcore reads the inference context only there; no dropout) and, for the
+    cache, sequence parallelism off (as mcore's own engine does: a one-token step cannot be
+    split over tensor-parallel ranks); both restored after."""
+    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+    from megatron.core.utils import unwrap_model
+
+    training = [c.training for c in chunks]
+    cached = not cache_unavailable(strategy, cfg)
+    sequence_parallel = cached and strategy.parallel.sequence_parallel
+    try:
+        for c in chunks:
+            c.eval()
+            if sequence_parallel:
+                set_model_to_sequence_parallel(unwrap_model(c), False)
+        if cached:
+            yield CachedForward(strategy, chunks, cfg, rows, max_length)
+        else:
+            yield RecomputeForward(strategy, chunks, cfg)
+    finally:
+        for c, mode in zip(chunks, training):
+            c.train(mode)
+            if sequence_parallel:
+                set_model_to_sequence_parallel(unwrap_model(c), True)
+
+
+class CachedForward:
+    def __init__(self, strategy, chunks, cfg, rows: int, max_length: int) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.transformer.attention import Attention
+
+        self.strategy, self.chunks, self.cfg, self.rows = strategy, list(chunks), cfg, rows
+        self.contexts = []
+        for chunk in self.chunks:
+            context = StaticInferenceContext(rows, max_length)
+            for module in chunk.modules():
+                if isinstance(module, Attention):
+                    weight = next(module.parameters())
+                    shape = (max_length, rows, module.num_query_groups_per_partition)
+                    context.key_value_memory_dict[module.layer_number] = tuple(
+                        torch.zeros(*shape, dim, dtype=weight.dtype, device=strategy.root_device)
+                        for dim in (module.key_hidden_size, module.val_hidden_size))
+            self.contexts.append(context)
+        self.length = 0  # positions already in the cache
+
+    def __call__(self, columns: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] after appending `columns` [rows, n] (n > 1 only for the first
+        call: a cached step after the prefill attends without a causal mask)."""
+        vocab, device = self.cfg.vocab_size, self.strategy.root_device
+        columns = columns.to(device)
+        n = columns.shape[1]
+        if self.length and n != 1:
+            raise ValueError("CachedForward: after the prefill, append one column per call.")
+        positions = torch.arange(self.length, self.length + n, device=device).expand(self.rows, n)
+        contexts = {id(chunk): context for chunk, context in zip(self.chunks, self.contexts)}
+
+        def step(mb, model):
+            context = contexts[id(model)]
+            out = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
+                        inference_context=context, runtime_gather_output=True)
+            return out, lambda logits: logits[..., :vocab]
+
+        micro = [{"tokens": columns, "position_ids": positions}]
+        for context in self.contexts:
+            context.sequence_len_offset = self.length
+            if self.length:
+                context.enable_decode_mode()
+        logits = self.strategy.forward_only(micro, step, self.chunks, (n, self.rows),
+                                            (self.rows, vocab))
+        self.length += n
+        return logits
+
+
+class RecomputeForward:
+    def __init__(self, strategy, chunks, cfg) -> None:
+        self.strategy, self.chunks, self.cfg = strategy, chunks, cfg
+        self.tokens = None
+
+    def __call__(self, columns: torch.Tensor) -> torch.Tensor:
+        self.tokens = columns if self.tokens is None else torch.cat([self.tokens, columns], dim=1)
+        return forward_logits(self.strategy, self.chunks, self.tokens, self.cfg)[:, -1]

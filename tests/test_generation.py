@@ -1,0 +1,190 @@
+"""Acceptance (generation, issue 21 part 1): KV-cache greedy generation equals no-cache greedy
+decoding (the whole sequence re-run each step) token for token at TP=1, TP=2, PP=2 and for a
+Qwen3-MoE at EP=2, with prompts of different lengths in one batch, and equals transformers'
+own greedy `generate`; seeded sampling is reproducible and the same at TP=1 and TP=2; stop
+tokens end a completion; too-long requests are refused."""
+
+import json
+from dataclasses import asdict
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hf_models import make_hf_model
+from lightning_mcore import MegatronStrategy, PretrainModule
+from lightning_mcore.model.generation import SamplingSettings, choose_tokens, generate_batch
+from toy import tiny_config
+
+PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 120], [150, 11, 64, 2]]  # different lengths
+NEW = 6
+SAMPLED = dict(max_new_tokens=NEW, temperature=1.0, top_k=50, top_p=0.9)
+
+
+def no_cache_greedy(module, prompt: list[int], new: int) -> list[int]:
+    """The reference: each new token from the logits of the whole sequence so far."""
+    tokens = list(prompt)
+    for _ in range(new):
+        tokens.append(int(module.forward_logits(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+class Generate(L.Callback):
+    """Every rank generates (collective) and writes what it got and the references."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.predicted = outputs  # predict_step on a batch of prompts: greedy completions
+
+    def on_predict_end(self, trainer, pl_module):
+        greedy = SamplingSettings(max_new_tokens=NEW, greedy=True)
+        got = {
+            "predicted": self.predicted,
+            "greedy": pl_module.generate_batch(PROMPTS, greedy),
+            "reference": [no_cache_greedy(pl_module, p, NEW) for p in PROMPTS],
+            "one": pl_module.generate(PROMPTS[1], NEW),
+            "top_k_1": pl_module.generate_batch(PROMPTS, SamplingSettings(**{**SAMPLED, "top_k": 1})),
+            "seed1": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=1)),
+            "seed1_again": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=1)),
+            "seed2": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=2)),
+        }
+        got["sequence_parallel_after"] = sorted({bool(m.sequence_parallel) for c in pl_module.chunks
+                                                 for m in c.modules() if hasattr(m, "sequence_parallel")})
+        stop = got["greedy"][0][2]
+        got["stop_token"] = stop
+        got["stopped"] = pl_module.generate_batch(PROMPTS, SamplingSettings(**{**asdict(greedy), "stop": [stop]}))
+        (self.out.parent / f"{self.out.stem}.rank{trainer.global_rank}.json").write_text(json.dumps(got))
+
+
+def run(tmp_path, source: str, devices: int, name: str, **parallel) -> dict:
+    out = tmp_path / f"{name}.json"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        callbacks=[Generate(out)],
+        strategy=MegatronStrategy(global_batch_size=devices, start_method="fork", **parallel),
+    )
+    prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
+    trainer.predict(PretrainModule(source), DataLoader([prompts], batch_size=None))
+    got = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(devices)]
+    assert all(g == got[0] for g in got[1:]), "ranks disagree"
+    return got[0]
+
+
+def hf_greedy(hf) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (no padding)."""
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                            pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+def check_one_layout(got: dict) -> None:
+    assert got["greedy"] == got["reference"], got
+    assert got["predicted"] == got["greedy"]
+    assert got["one"] == got["reference"][1]
+    assert all(len(c) == NEW for c in got["greedy"])
+    assert got["top_k_1"] == got["greedy"]  # top-k 1 leaves only the argmax to draw
+    assert got["seed1"] == got["seed1_again"]
+    assert got["seed1"] != got["seed2"]
+    first = got["greedy"][0].index(got["stop_token"])
+    assert got["stopped"][0] == got["greedy"][0][: first + 1]  # ends with the stop token
+    for stopped, greedy in zip(got["stopped"][1:], got["greedy"][1:]):
+        assert stopped == greedy[: greedy.index(got["stop_token"]) + 1 if got["stop_token"] in greedy else None]
+
+
+@pytest.mark.distributed
+def test_kv_cache_generation_matches_no_cache_and_transformers_at_tp1_tp2_pp2(tmp_path):
+    source = tmp_path / "llama"
+    hf = make_hf_model("llama", source)
+    runs = {"tp1": run(tmp_path, str(source), 1, "tp1"),
+            "tp2": run(tmp_path, str(source), 2, "tp2", tensor_model_parallel_size=2),
+            "pp2": run(tmp_path, str(source), 2, "pp2", pipeline_model_parallel_size=2),
+            # sequence parallelism: no cache (a one-token step cannot be split over TP ranks)
+            "tp2_sp": run(tmp_path, str(source), 2, "tp2_sp", tensor_model_parallel_size=2,
+                          sequence_parallel=True)}
+    for name, got in runs.items():
+        check_one_layout(got)
+    assert runs["tp1"]["greedy"] == hf_greedy(hf)
+    for name in ("tp2", "pp2", "tp2_sp"):
+        assert runs[name]["greedy"] == runs["tp1"]["greedy"], name
+    assert runs["tp2_sp"]["sequence_parallel_after"] == [True]  # switched off for the cache, then back
+    assert runs["tp2"]["sequence_parallel_after"] == [False]
+    assert runs["tp2"]["seed1"] == runs["tp1"]["seed1"]
+    assert runs["tp2"]["seed2"] == runs["tp1"]["seed2"]
+
+
+@pytest.mark.distributed
+def test_kv_cache_generation_matches_no_cache_for_moe_at_ep2_and_tp2_sp(tmp_path):
+    source = tmp_path / "qwen3_moe"
+    hf = make_hf_model("qwen3_moe", source)
+    want = hf_greedy(hf)
+    for name, parallel in (("ep2", dict(expert_model_parallel_size=2)),
+                           # MoE under sequence parallelism: no cache (the recompute path)
+                           ("tp2_sp", dict(tensor_model_parallel_size=2, sequence_parallel=True))):
+        got = run(tmp_path, str(source), 2, name, **parallel)
+        check_one_layout(got)
+        assert got["greedy"] == want, name
+
+
+def test_sampling_keeps_to_top_k_and_top_p():
+    """Draws only from the k most likely tokens / the smallest set holding top_p of the mass."""
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15]]).expand(400, 4))
+    gen = torch.Generator().manual_seed(0)
+    top2 = choose_tokens(logits, SamplingSettings(top_k=2), gen)
+    assert set(top2.tolist()) == {1, 2}
+    top_p = choose_tokens(logits, SamplingSettings(top_p=0.85), gen)  # 0.5 + 0.3 < 0.85: 3 tokens
+    assert set(top_p.tolist()) == {1, 2, 3}
+    every = choose_tokens(logits, SamplingSettings(), gen)
+    assert set(every.tolist()) == {0, 1, 2, 3}
+    assert abs((every == 1).double().mean().item() - 0.5) < 0.1
+    assert choose_tokens(logits, SamplingSettings(greedy=True), gen).eq(1).all()
+
+
+def test_too_long_requests_and_bad_settings_are_refused():
+    module = PretrainModule(tiny_config(seq_length=16))
+    MegatronStrategy(global_batch_size=1).connect(module)
+    with pytest.raises(ValueError, match=r"prompt 1 \(10 tokens\) \+ max_new_tokens \(7\) is longer than "
+                                         r"the model's seq_length=16; use at most 6 new tokens"):
+        module.generate_batch([[1, 2], list(range(10))], SamplingSettings(max_new_tokens=7))
+    with pytest.raises(ValueError, match=r"prompt 0 is empty"):
+        generate_batch(module._strategy, None, [[], [1]], module.model_config, SamplingSettings())
+    with pytest.raises(ValueError, match=r"temperature must be > 0"):
+        SamplingSettings(temperature=0.0)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        SamplingSettings(top_p=0.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma3"])
+def test_kv_cache_generation_for_latent_attention_and_windows(family, tmp_path):
+    """Multi-latent attention (DeepSeek-V3, YaRN); Gemma 3's local RoPE and sliding windows
+    (the longest prompt + completion runs past the window of 8)."""
+    source = tmp_path / family
+    hf = make_hf_model(family, source)
+    got = run(tmp_path, str(source), 1, family)
+    assert got["greedy"] == got["reference"] == hf_greedy(hf)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
+    """The cache on CUDA through the TE spec (TE's attention), fp32: as without a cache and as
+    transformers (greedy); seeded sampling reproducible."""
+    source = tmp_path / "llama"
+    hf = make_hf_model("llama", source)
+    out = tmp_path / "gpu.json"
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        strategy=MegatronStrategy(global_batch_size=1, start_method="popen"), callbacks=[Generate(out)],
+    )
+    module = PretrainModule(str(source))
+    assert module.model_config.uses_te("gpu")
+    prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
+    trainer.predict(module, DataLoader([prompts], batch_size=None))
+    got = json.loads((tmp_path / "gpu.rank0.json").read_text())
+    check_one_layout(got)
+    assert got["greedy"] == hf_greedy(hf)
