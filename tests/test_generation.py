@@ -51,6 +51,13 @@ class Generate(L.Callback):
             "seed1_again": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=1)),
             "seed2": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=2)),
         }
+        # Data-parallel ranks with prompts of their own (GRPO's rollouts; other counts and
+        # lengths): at EP=2 their experts' all-to-all must still see the same calls.
+        from megatron.core import parallel_state as ps
+        size, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        mine = [i for i in range(len(PROMPTS)) if i % size == rank]
+        got["own_prompts_match"] = (pl_module.generate_batch([PROMPTS[i] for i in mine], greedy)
+                                    == [got["reference"][i] for i in mine])
         got["sequence_parallel_after"] = sorted({bool(m.sequence_parallel) for c in pl_module.chunks
                                                  for m in c.modules() if hasattr(m, "sequence_parallel")})
         stop = got["greedy"][0][2]
@@ -83,6 +90,7 @@ def hf_greedy(hf) -> list[list[int]]:
 
 def check_one_layout(got: dict) -> None:
     assert got["greedy"] == got["reference"], got
+    assert got["own_prompts_match"]
     assert got["predicted"] == got["greedy"]
     assert got["one"] == got["reference"][1]
     assert all(len(c) == NEW for c in got["greedy"])
@@ -132,7 +140,7 @@ def test_kv_cache_generation_matches_no_cache_for_moe_at_ep2_and_tp2_sp(tmp_path
 def test_sampling_keeps_to_top_k_and_top_p():
     """Draws only from the k most likely tokens / the smallest set holding top_p of the mass."""
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.3, 0.15]]).expand(400, 4))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.rand(400, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     top2 = choose_tokens(logits, SamplingSettings(top_k=2), gen)
     assert set(top2.tolist()) == {1, 2}
     top_p = choose_tokens(logits, SamplingSettings(top_p=0.85), gen)  # 0.5 + 0.3 < 0.85: 3 tokens

@@ -13,6 +13,7 @@ seed gives the same tokens on every rank and at any layout (up to ties in the fl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -55,14 +56,14 @@ def refuse_too_long(prompts: list[list[int]], max_new_tokens: int, seq_length: i
 
 
 def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings,
-                  generator: torch.Generator) -> torch.Tensor:
+                  uniform: torch.Tensor) -> torch.Tensor:
     """Next token of each row of `logits` [rows, vocab]: argmax, or a draw from the
-    temperature/top-k/top-p distribution by inverse CDF of one uniform per row, drawn from
-    `generator` (a CPU one, so every rank and layout draws alike); float64 on the logits' device."""
+    temperature/top-k/top-p distribution by inverse CDF of the row's number in `uniform` [rows]
+    (drawn on the CPU, so every rank and layout draws alike); float64 on the logits' device."""
     logits = logits.detach().double()
     if not torch.isfinite(logits).all():
         raise FloatingPointError("generate: the model's logits are not finite (NaN/inf).")
-    uniform = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64).to(logits.device)
+    uniform = uniform.double().to(logits.device)
     if sampling.greedy:
         return logits.argmax(-1).cpu()
     logits = logits / sampling.temperature
@@ -83,19 +84,60 @@ def choose_tokens(logits: torch.Tensor, sampling: SamplingSettings,
 @torch.no_grad()
 def generate_batch(strategy, chunks, prompts: list[list[int]], cfg,
                    sampling: SamplingSettings) -> list[list[int]]:
-    """Collective (every rank calls with the same prompts, gets the same result): the completion
+    """Collective (tensor- and pipeline-parallel peers call with the same prompts and get the
+    same result): the completion
     (new tokens only) of each prompt, with a KV cache (`strategy`: a MegatronStrategy or a
-    callable giving one; `cfg`: the GPTConfig)."""
-    from lightning_mcore.model.kv_cache import next_token_logits
-
+    callable giving one; `cfg`: the GPTConfig). Data-parallel ranks may pass different prompts
+    (GRPO's rollouts); tensor- and pipeline-parallel peers pass the same."""
     refuse_too_long(prompts, sampling.max_new_tokens, cfg.seq_length)
     strategy = strategy() if callable(strategy) else strategy
     strategy.refuse_context_parallel("generate")
+    shared = _expert_parallel_share(prompts, cfg)
+    if shared is not None:  # every data-parallel rank generates all ranks' prompts
+        parts, start = shared
+        everyone = [p for part in parts for p in part]
+        out = _generate(strategy, chunks, everyone, cfg, sampling, [len(part) for part in parts])
+        return out[start:start + len(prompts)]
+    return _generate(strategy, chunks, prompts, cfg, sampling, [len(prompts)])
+
+
+def _expert_parallel_share(prompts: list[list[int]], cfg) -> Optional[tuple[list, int]]:
+    """With expert parallelism the experts' all-to-all spans data-parallel ranks, which then must
+    run the same forward calls; their own prompts (other counts, other lengths) would give each
+    rank its own number of steps and hang the all-to-all. So each generates the prompts of all
+    data-parallel ranks: returns (each rank's prompts, where this rank's begin among all), or None
+    when not needed."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not cfg.num_moe_experts or (ps.get_expert_model_parallel_world_size() or 1) == 1:
+        return None
+    group = ps.get_data_parallel_group()
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if size == 1:
+        return None
+    parts: list = [None] * size
+    dist.all_gather_object(parts, prompts, group=group)
+    start = sum(len(p) for p in parts[:dist.get_rank(group)])
+    return parts, start
+
+
+def _uniforms(seed: int, position: int, groups: list[int]) -> torch.Tensor:
+    """One uniform per row for the token at `position`, from a stream keyed by (seed, position)
+    that restarts for each group of rows (a data-parallel rank's prompts): a row draws the same
+    number whatever else is in the batch, so sampling is the same when ranks share a batch."""
+    gen = [torch.Generator().manual_seed((seed * 1_000_003 + position) % 2**63) for _ in groups]
+    return torch.cat([torch.rand(n, generator=g, dtype=torch.float64) for n, g in zip(groups, gen)])
+
+
+def _generate(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
+              groups: list[int]) -> list[list[int]]:
+    from lightning_mcore.model.kv_cache import next_token_logits
+
     if not prompts or sampling.max_new_tokens == 0:
         return [[] for _ in prompts]
     rows, lengths = len(prompts), [len(p) for p in prompts]
     total = max(n + sampling.max_new_tokens for n in lengths)
-    generator = torch.Generator().manual_seed(sampling.seed)
     stop = set(sampling.stop)
     completions: list[list[int]] = [[] for _ in prompts]
     done = [False] * rows
@@ -104,7 +146,7 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg,
         position = min(lengths)
         logits = forward(torch.tensor([p[:position] for p in prompts]))
         while True:
-            chosen = choose_tokens(logits, sampling, generator)
+            chosen = choose_tokens(logits, sampling, _uniforms(sampling.seed, position, groups))
             column = []
             for i, prompt in enumerate(prompts):
                 if position < lengths[i]:
