@@ -1,6 +1,6 @@
 """The README's other runnable examples, verbatim from README.md, in a fresh directory with a copy
-of configs/: the Python example at its top, the SFT and DPO commands, and the reward, KTO and
-distillation commands. (The quickstart, the
+of configs/: the Python example at its top, the SFT and DPO commands, the reward, KTO and
+distillation commands, and the GRPO command. (The quickstart, the
 LoRA fine-tune and the multi-node commands have tests of their own.) Each run must train: its
 logged loss falls (DPO: below log 2, where every pair starts)."""
 
@@ -54,6 +54,20 @@ def test_readme_objective_commands_train(name, tmp_path):
         assert metric[-1] < 0.5 * metric[0], metric
     else:
         assert all(math.isfinite(m) and m >= 0 for m in metric), metric  # z0 is clamped at 0
+
+
+def test_readme_grpo_command_runs(tmp_path):
+    """The GRPO command: rollouts are generated, scored and trained on every step, and the
+    metrics the README lists are logged."""
+    (argv,) = commands(section("GRPO, and generation with a KV cache"))
+    work = user_dir(tmp_path)
+    run(argv, work)
+    assert (work / "runs" / "grpo" / "checkpoints" / "last.ckpt" / "common.pt").is_file()
+    for key in ("train/loss", "train/reward", "train/kl", "train/clip_fraction",
+                "train/completion_length", "train/rollout_tokens_per_s"):
+        values = logged(work / "runs" / "grpo", key)
+        assert len(values) >= 10 and all(math.isfinite(v) for v in values), (key, values)
+    assert min(logged(work / "runs" / "grpo", "train/completion_length")) > 0
 
 
 def test_readme_python_example_trains(tmp_path):
