@@ -28,6 +28,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.metrics import reduce_metrics
@@ -113,6 +114,7 @@ class MegatronStrategy(DDPStrategy):
         self.checkpoint_options = checkpoint or CheckpointOptions()
         self._async_saves = None  # mcore AsyncCallsQueue, made by the first async save
         self._cpu = CpuCompat()
+        self.deterministic = False  # Trainer(deterministic=True): set when the Trainer builds us
 
     # ---------------------------------------------------------------- environment
     @property
@@ -150,6 +152,9 @@ class MegatronStrategy(DDPStrategy):
         # size and the device are known. Layout and batch mistakes fail here, in the main process.
         self.parallel = resolve_fast_path(self._requested_parallel, on_gpu=not self.on_cpu)
         self.validate()
+        self.deterministic = determinism.requested()  # Lightning has set torch's flag by now
+        if self.deterministic:
+            determinism.set_environment()  # before any rank starts (strategy/determinism.py)
         super()._configure_launcher()
 
     def validate_module(self, module) -> None:
@@ -225,8 +230,11 @@ class MegatronStrategy(DDPStrategy):
         """mcore's TransformerConfig for `model_config` under this layout, dtype and device."""
         from lightning_mcore.model.config import to_transformer_config
 
-        return to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu,
-                                     self.uses_te(model_config))
+        config = to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu,
+                                       self.uses_te(model_config))
+        if self.deterministic:
+            determinism.make_deterministic(config)
+        return config
 
     def refuse_unbuildable(self, model_config) -> None:
         """What this device cannot build, before anything is built."""
