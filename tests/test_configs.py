@@ -30,6 +30,7 @@ SAMPLES = {  # data module class -> bundled sample for its `paths`
     "lightning_mcore.data.KTODataModule": "configs/sample_data/kto.jsonl",
     "lightning_mcore.data.RewardDataModule": "configs/sample_data/reward.jsonl",
     "lightning_mcore.data.PretrainDataModule": "configs/sample_data/sample.txt",
+    "lightning_mcore.data.PromptDataModule": "configs/sample_data/prompts.jsonl",
 }
 
 # The real models' config.json values (no weights are ever read at instantiation).
@@ -38,6 +39,11 @@ LLAMA3_8B = dict(
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
     tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128009,
+)
+LLAMA31_8B_INSTRUCT = dict(
+    LLAMA3_8B, max_position_embeddings=131072, eos_token_id=[128001, 128008, 128009],
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
 )
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
@@ -52,6 +58,7 @@ QWEN3_30B_A3B = dict(
 HF_STUBS = {
     "checkpoints/Meta-Llama-3-8B-Instruct": ("LlamaConfig", LLAMA3_8B),
     "checkpoints/Qwen3-30B-A3B": ("Qwen3MoeConfig", QWEN3_30B_A3B),
+    "checkpoints/Llama-3.1-8B-Instruct": ("LlamaConfig", LLAMA31_8B_INSTRUCT),
 }
 
 
@@ -67,6 +74,17 @@ def no_leaked_seed():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_torch_flags():
+    """`trainer.deterministic: true` turns on torch's deterministic algorithms process-wide."""
+    import torch
+
+    saved = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    yield
+    torch.use_deterministic_algorithms(saved[0])
+    torch.backends.cudnn.benchmark = saved[1]
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +195,8 @@ def test_config_instantiates(name, tmp_path, hf_stubs, indexed_prefix):
 
     if cfg["trainer"].get("accelerator") == "gpu":  # what every GPU config carries
         assert str(cli.trainer.precision) == "bf16-mixed"
-        callback(cli, "MegatronThroughput")
+        if not hasattr(module, "make_rollout"):  # GRPO logs its own rollout tokens/s and times
+            callback(cli, "MegatronThroughput")
         callback(cli, "ModelCheckpoint")
         assert type(cli.trainer.logger).__name__ in ("CSVLogger", "TensorBoardLogger")
     else:  # a CPU config: last.ckpt where its header's export command reads it
@@ -264,6 +283,28 @@ def test_llama3_8b_dpo_lora(tmp_path, hf_stubs):
     assert cli.model.lora.rank == 16 and cli.model.beta == pytest.approx(0.1)
     assert cli.trainer.strategy.parallel.tensor_model_parallel_size == 2
     assert cli.datamodule.hparams.tokenizer == cli.model.hf_path
+
+
+def test_grpo_8b_lora(tmp_path, hf_stubs):
+    cli = hf_cli("grpo_8b_lora.yaml", tmp_path, hf_stubs, None)
+    from lightning_mcore import GRPOModule
+    from lightning_mcore.data import PromptDataModule
+    from lightning_mcore.rewards import boxed_answer
+
+    module, strategy = cli.model, cli.trainer.strategy
+    assert isinstance(module, GRPOModule) and isinstance(cli.datamodule, PromptDataModule)
+    mc = module.model_config
+    assert (mc.num_layers, mc.hidden_size, mc.num_query_groups) == (32, 4096, 8)
+    assert (mc.rope_scaling["rope_type"], mc.rope_scaling["factor"]) == ("llama3", 8.0)  # config.json's
+    assert module.lora.rank == 16 and module.reward_funcs == [boxed_answer]
+    assert (module.num_generations, module.max_completion_length) == (8, 1024)
+    assert cli.datamodule.max_prompt_length + module.max_completion_length <= mc.seq_length
+    assert strategy.parallel.tensor_model_parallel_size == 2 and strategy.num_processes == 2
+    assert strategy.batch.global_batch_size % module.num_generations == 0
+    # trainer.deterministic reaches the strategy and mcore's config, and the environment is set
+    assert strategy.deterministic and strategy.transformer_config(mc).deterministic_mode
+    assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0" and os.environ["NCCL_ALGO"] == "Ring"
+    assert cli.datamodule.hparams.tokenizer == module.hf_path
 
 
 def test_kto(tmp_path, hf_stubs):
