@@ -85,7 +85,10 @@ class MegatronStrategy(DDPStrategy):
 
         `use_distributed_optimizer` and `overlap_grad_reduce` left at None take the fast path
         for the device: on GPU both on (optimizer state sharded over data-parallel ranks, grad
-        reduce-scatter overlapped with backward; the sharding with Adam only), on CPU both off."""
+        reduce-scatter overlapped with backward; the sharding with Adam only), on CPU both off.
+
+        Lightning's `Trainer(deterministic=True)` also turns on mcore's deterministic mode and the
+        environment TE, NCCL and cuBLAS need for it (strategy/determinism.py)."""
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
