@@ -110,3 +110,11 @@ def test_logged_throughput_and_mfu_follow_step_times_from_the_last_stage(tmp_pat
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)
     assert [e.value for e in events.Scalars("perf/mfu")] == pytest.approx(
         [float(r["perf/mfu"]) for r in perf], rel=1e-6)
+
+
+def test_batches_without_token_rows_are_skipped():
+    """GRPO's batches hold prompts (lists), not token rows: the callback counts nothing for them
+    instead of failing on a missing shape."""
+    callback = MegatronThroughput(window_size=2)
+    batch = {"prompt": ["a question"], "prompt_ids": [[1, 2, 3]], "answer": ["4"]}
+    assert callback.on_train_batch_end(None, None, None, batch, 0) is None

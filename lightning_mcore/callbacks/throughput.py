@@ -64,9 +64,12 @@ class MegatronThroughput(L.Callback):
             torch.cuda.synchronize(strategy.root_device)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        tokens = batch.get("tokens") if isinstance(batch, dict) else None
+        if not torch.is_tensor(tokens):
+            return  # not token rows (GRPO's prompts: it logs its own rollout and step times)
         strategy = trainer.strategy
         self._sync(strategy)
-        seq = next(iter(batch.values())).shape[1]
+        seq = tokens.shape[1]
         rows = strategy.batch.global_batch_size
         self._steps += 1
         self._tokens += rows * seq
