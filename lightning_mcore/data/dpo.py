@@ -145,6 +145,23 @@ def fit_pairs(
     return np.flatnonzero(usable & ~long_prompt & ~long_pair), +dropped
 
 
+def fitting_items(tokenized: Any, seq_length: int, noun: str,
+                  columns: Sequence[str] = ()) -> tuple[dict, np.ndarray, np.ndarray, Counter]:
+    """Items tokenized as two rows each (``2 * i``, ``2 * i + 1``: DPO's pairs, KTO's examples):
+    (their ``length``, ``prompt_length``, ``dropped`` and ``columns`` as numpy arrays, the sides'
+    lengths [items, 2], the items that fit a row of ``seq_length``, dropped counts by reason).
+    Refuses when no item fits."""
+    names = ["length", "prompt_length", "dropped", *columns]
+    numbers = tokenized.select_columns(names).with_format("numpy")[:]
+    lengths = numbers["length"].reshape(-1, 2)
+    dropped = Counter(r for r in numbers["dropped"][::2].tolist() if r)
+    keep, lost = fit_pairs(lengths, numbers["prompt_length"][::2], seq_length)
+    dropped.update(lost)
+    if len(keep) == 0:
+        raise ValueError(f"no {noun} left to train on of {len(lengths)}: {dict(dropped)}")
+    return numbers, lengths, keep, dropped
+
+
 class DPODataModule(DataParallelDataModule):
     """Preference pairs from jsonl/json/parquet files or ``save_to_disk`` directories.
 
@@ -229,15 +246,8 @@ class DPODataModule(DataParallelDataModule):
         if self.train_dataset is not None:
             return
         hp, tokenized = self.hparams, self._tokenize()
-        columns = ["length", "prompt_length", "dropped"]
-        numbers = tokenized.select_columns(columns).with_format("numpy")[:]
-        lengths = numbers["length"].reshape(-1, 2)
-        dropped = Counter(r for r in numbers["dropped"][::2].tolist() if r)
-        keep, lost = fit_pairs(lengths, numbers["prompt_length"][::2], hp.seq_length)
-        dropped.update(lost)
+        _, lengths, keep, dropped = fitting_items(tokenized, hp.seq_length, "pair")
         self.stats = {"pairs": len(lengths), "dropped": dict(dropped)}
-        if len(keep) == 0:
-            raise ValueError(f"no pair left to train on of {len(lengths)}: {dict(dropped)}")
         train, val = split_samples(keep.tolist(), hp.val_split, hp.seed, "pairs")
         self.train_dataset = self._rows("train", tokenized, train, lengths)
         self.val_dataset = self._rows("val", tokenized, val, lengths) if val else None

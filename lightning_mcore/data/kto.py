@@ -20,7 +20,6 @@ and ``label``: true (desirable) or false (undesirable).
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -30,7 +29,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_mcore.data import peek
 from lightning_mcore.data.chat import ChatFormat, resolve_template, tokenize_conversation
-from lightning_mcore.data.dpo import fit_pairs
+from lightning_mcore.data.dpo import fitting_items
 from lightning_mcore.data.feeding import DataParallelDataModule
 from lightning_mcore.data.packing import efficiency
 from lightning_mcore.data.sft import (
@@ -218,15 +217,8 @@ class KTODataModule(DataParallelDataModule):
         if self.train_dataset is not None:
             return
         hp, tokenized = self.hparams, self._tokenize()
-        columns = ["length", "prompt_length", "label", "dropped"]
-        numbers = tokenized.select_columns(columns).with_format("numpy")[:]
-        lengths = numbers["length"].reshape(-1, 2)
-        dropped = Counter(r for r in numbers["dropped"][::2].tolist() if r)
-        keep, lost = fit_pairs(lengths, numbers["prompt_length"][::2], hp.seq_length)
-        dropped.update(lost)
+        numbers, lengths, keep, dropped = fitting_items(tokenized, hp.seq_length, "example", ["label"])
         self.stats = {"examples": len(lengths), "dropped": dict(dropped)}
-        if len(keep) == 0:
-            raise ValueError(f"no example left to train on of {len(lengths)}: {dict(dropped)}")
         train, val = split_samples(keep.tolist(), hp.val_split, hp.seed, "examples")
         labels = numbers["label"][::2].astype(bool)
         self.train_dataset = self._rows("train", tokenized, train, lengths, labels)
