@@ -50,11 +50,12 @@ def _items(chunks, cfg, entries: list[Entry]):
     return sorted(out, key=lambda item: item[0])
 
 
-def _gather(param: torch.Tensor, expert: bool) -> list[torch.Tensor]:
+def gather_shards(param: torch.Tensor, expert: bool) -> list[torch.Tensor]:
+    """The shards of `param` over TP (a routed expert's: over expert-TP), in rank order."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-    size = dist.get_world_size(group)
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         return [param.detach()]
     shards = [torch.empty_like(param) for _ in range(size)]
@@ -154,7 +155,7 @@ def _send_tensors(items, plan, rank: int, dims, writer: Optional[_ShardWriter]) 
     for key, src, names, shapes, dt in (plan if rank == 0 else [(k, rank, None, None, None) for k, *_ in items]):
         if src == rank:
             _, param, entry, layer, expert = next(own)
-            tensors = entry.transform.save(_gather(param, entry.expert), entry.hf_names(layer, expert), dims)
+            tensors = entry.transform.save(gather_shards(param, entry.expert), entry.hf_names(layer, expert), dims)
             if not _is_sender(entry.expert):
                 continue
             for name, tensor in tensors.items():

@@ -27,7 +27,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_mcore.hf.export import TOKENIZER_FILES, copy_files
+from lightning_mcore.hf.export import TOKENIZER_FILES, copy_files, gather_shards
 from lightning_mcore.hf.export_dir import check_target, staged_dir
 from lightning_mcore.hf.mappings import Entry, FusedExperts
 from lightning_mcore.hf.transforms import Dims
@@ -68,20 +68,6 @@ def experts_layout(layout: Optional[str], mode: str, has_expert_adapters: bool,
     return layout
 
 
-def _gather(t: torch.Tensor, expert: bool = False) -> list[torch.Tensor]:
-    """The shards of `t` over TP (a routed expert's: over expert-TP), in rank order."""
-    from megatron.core import parallel_state
-
-    group = (parallel_state.get_expert_tensor_parallel_group() if expert
-             else parallel_state.get_tensor_model_parallel_group())
-    size = dist.get_world_size(group) if dist.is_initialized() else 1
-    if size == 1:
-        return [t.detach()]
-    shards = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(shards, t.detach().contiguous(), group=group)
-    return shards
-
-
 def adapter_tensors(chunks, cfg, weights: list[Entry]) -> tuple[dict, dict]:
     """This rank's adapters as full PEFT-named tensors (CPU, fp32 kept as is): (dense ones, on
     every TP rank; routed experts' ones, per expert, on the expert's EP rank)."""
@@ -96,7 +82,7 @@ def adapter_tensors(chunks, cfg, weights: list[Entry]) -> tuple[dict, dict]:
         entry = entries["decoder.layers.{L}." + local + ".weight"]
         column = TARGETS[short][0] == "column"
         sharded, whole = (adapter.lora_B, adapter.lora_A) if column else (adapter.lora_A, adapter.lora_B)
-        shards = _gather(sharded, adapter.expert)
+        shards = gather_shards(sharded, adapter.expert)
         out = experts if adapter.expert else dense
         for e in range(adapter.experts) if adapter.expert else [None]:  # experts: stacked, local index
             names = entry.hf_names(layer, None if e is None else global_expert(e, model.config))
