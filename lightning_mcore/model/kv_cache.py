@@ -90,17 +90,28 @@ class CachedForward:
             context = contexts[id(model)]
             out = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
                         inference_context=context, runtime_gather_output=True)
-            return out, lambda logits: logits[..., :vocab]
+            return out, lambda logits: logits[:, -1, :vocab]  # [rows, 1 (or n), vocab]
 
         micro = [{"tokens": columns, "position_ids": positions}]
         for context in self.contexts:
             context.sequence_len_offset = self.length
             if self.length:
                 context.enable_decode_mode()
-        logits = self.strategy.forward_only(micro, step, self.chunks, (n, self.rows),
-                                            (self.rows, vocab))
+        with _inference_mode():
+            logits = self.strategy.forward_only(micro, step, self.chunks, (n, self.rows),
+                                                (self.rows, vocab))
         self.length += n
         return logits
+
+
+def _inference_mode():
+    """mcore >= 0.17 reads a process-wide flag, not `inference_context`, to run its inference
+    paths (among them: only the last position reaches the output layer)."""
+    try:
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:  # megatron-core 0.16
+        return contextlib.nullcontext()
+    return InferenceMode.active()
 
 
 class RecomputeForward:
