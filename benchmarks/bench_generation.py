@@ -4,12 +4,15 @@ weights, 64 prompts of random tokens, 256 new tokens each, greedy; no stop token
 makes all its tokens and both sides do the same work.
 
     python benchmarks/bench_generation.py make --out /tmp/gen1b
-    python benchmarks/bench_generation.py run --model /tmp/gen1b --impl ours
+    python benchmarks/bench_generation.py run --model /tmp/gen1b --impl ours            # CUDA graphs
+    python benchmarks/bench_generation.py run --model /tmp/gen1b --impl ours --eager
     python benchmarks/bench_generation.py run --model /tmp/gen1b --impl hf-eager
     python benchmarks/bench_generation.py run --model /tmp/gen1b --impl hf-static   # static cache, compiled
 
-Each run prints one `RESULT {json}` line: new tokens/s over the timed calls (after warm-up
-calls), per call seconds, and the prompt lengths used (--lengths MIN:MAX, drawn with seed 0).
+Each run prints one `RESULT {json}` line: new tokens/s over the timed calls, their seconds and
+the warm-up calls' (ours: the first call captures the decode steps' CUDA graphs, which later
+calls with as many prompts replay, as GRPO's rollouts do each step; transformers' static cache:
+the first call compiles), and the prompt lengths (--lengths MIN:MAX, drawn with seed 0).
 """
 
 from __future__ import annotations
@@ -44,17 +47,17 @@ def prompts(n: int, lengths: str, vocab: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-def timed(call, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        call()
+def timed(call, warmup: int, repeats: int) -> dict:
+    """Seconds of each call: the warm-up calls (ours: capturing the CUDA graphs; transformers'
+    static cache: compiling) and the timed ones after them."""
     seconds = []
-    for _ in range(repeats):
+    for _ in range(warmup + repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
         call()
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    return seconds
+    return {"warmup_seconds": [round(s, 3) for s in seconds[:warmup]], "seconds": seconds[warmup:]}
 
 
 def run_hf(args, batch: list[list[int]]) -> dict:
@@ -74,7 +77,7 @@ def run_hf(args, batch: list[list[int]]) -> dict:
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         assert out.shape[1] == width + args.new
-    return {"seconds": timed(call, args.warmup, args.repeats)}
+    return timed(call, args.warmup, args.repeats)
 
 
 def run_ours(args, batch: list[list[int]]) -> dict:
@@ -84,7 +87,7 @@ def run_ours(args, batch: list[list[int]]) -> dict:
     from lightning_mcore import MegatronStrategy, PretrainModule
     from lightning_mcore.model.generation import SamplingSettings
 
-    sampling = SamplingSettings(max_new_tokens=args.new, greedy=True)
+    sampling = SamplingSettings(max_new_tokens=args.new, greedy=True, cuda_graphs=not args.eager)
     result: dict = {}
 
     class Time(L.Callback):
@@ -92,10 +95,10 @@ def run_ours(args, batch: list[list[int]]) -> dict:
             def call():
                 out = module.generate_batch(batch, sampling)
                 assert all(len(c) == args.new for c in out)
-            result["seconds"] = timed(call, args.warmup, args.repeats)
+            result.update(timed(call, args.warmup, args.repeats))
             if args.profile:
                 result["profile"] = profile(lambda: module.generate_batch(batch, SamplingSettings(
-                    max_new_tokens=16, greedy=True)), args.profile)
+                    max_new_tokens=16, greedy=True, cuda_graphs=not args.eager)), args.profile)
 
     trainer = L.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -142,6 +145,7 @@ def main() -> None:
     r.add_argument("--warmup", type=int, default=1)
     r.add_argument("--repeats", type=int, default=3)
     r.add_argument("--profile", default="", help="ours: write a torch.profiler table here")
+    r.add_argument("--eager", action="store_true", help="ours: decode steps without CUDA graphs")
     args = ap.parse_args()
     if args.cmd == "make":
         return make(args.out)
@@ -150,7 +154,7 @@ def main() -> None:
     seconds = result.pop("seconds")
     tokens = args.prompts * args.new
     print("RESULT " + json.dumps({
-        "impl": args.impl, "prompts": args.prompts, "new_tokens": args.new, "lengths": args.lengths,
+        "impl": args.impl + ("-eager" if args.eager else ""), "prompts": args.prompts, "new_tokens": args.new, "lengths": args.lengths,
         "seconds": [round(s, 3) for s in seconds], "tokens_per_s": round(tokens / statistics.median(seconds), 1),
         "device": torch.cuda.get_device_name(), **result}), flush=True)
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from hf_models import make_hf_model
 from lightning_mcore import MegatronStrategy, PretrainModule
+from lightning_mcore.model import decode_graphs
 from lightning_mcore.model.generation import SamplingSettings, choose_tokens, generate_batch
 from toy import tiny_config
 
@@ -60,6 +61,9 @@ class Generate(L.Callback):
                                     == [got["reference"][i] for i in mine])
         got["sequence_parallel_after"] = sorted({bool(m.sequence_parallel) for c in pl_module.chunks
                                                  for m in c.modules() if hasattr(m, "sequence_parallel")})
+        got["eager"] = pl_module.generate_batch(PROMPTS, SamplingSettings(**{**asdict(greedy), "cuda_graphs": False}))
+        kept = decode_graphs._KEPT.get(pl_module.chunks[0])
+        got["graphs"] = len(kept.graphs) if kept is not None and kept.rows == len(PROMPTS) else 0
         stop = got["greedy"][0][2]
         got["stop_token"] = stop
         got["stopped"] = pl_module.generate_batch(PROMPTS, SamplingSettings(**{**asdict(greedy), "stop": [stop]}))
@@ -90,6 +94,7 @@ def hf_greedy(hf) -> list[list[int]]:
 
 def check_one_layout(got: dict) -> None:
     assert got["greedy"] == got["reference"], got
+    assert got["eager"] == got["greedy"]  # CUDA graphs (GPU) or not: the same tokens
     assert got["own_prompts_match"]
     assert got["predicted"] == got["greedy"]
     assert got["one"] == got["reference"][1]
@@ -176,23 +181,32 @@ def test_kv_cache_generation_for_latent_attention_and_windows(family, tmp_path):
     assert got["greedy"] == got["reference"] == hf_greedy(hf)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
-    """The cache on CUDA through the TE spec (TE's attention), fp32: as without a cache and as
-    transformers (greedy); seeded sampling reproducible."""
-    source = tmp_path / "llama"
-    hf = make_hf_model("llama", source)
-    out = tmp_path / "gpu.json"
+def gpu_run(tmp_path, source: str, devices: int, **parallel) -> dict:
+    out = tmp_path / f"gpu{devices}.json"
     trainer = L.Trainer(
-        accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+        accelerator="gpu", devices=devices, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        strategy=MegatronStrategy(global_batch_size=1, start_method="popen"), callbacks=[Generate(out)],
+        strategy=MegatronStrategy(global_batch_size=devices, start_method="popen", **parallel),
+        callbacks=[Generate(out)],
     )
-    module = PretrainModule(str(source))
+    module = PretrainModule(source)
     assert module.model_config.uses_te("gpu")
     prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
     trainer.predict(module, DataLoader([prompts], batch_size=None))
-    got = json.loads((tmp_path / "gpu.rank0.json").read_text())
+    got = [json.loads((tmp_path / f"gpu{devices}.rank{r}.json").read_text()) for r in range(devices)]
+    assert all(g == got[0] for g in got[1:]), "ranks disagree"
+    return got[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
+    """The cache on CUDA through the TE spec (TE's attention), fp32, decode steps replayed from
+    CUDA graphs: as without a cache, as eager decoding and as transformers (greedy); seeded
+    sampling reproducible."""
+    source = tmp_path / "llama"
+    hf = make_hf_model("llama", source)
+    got = gpu_run(tmp_path, str(source), 1)
     check_one_layout(got)
+    assert got["graphs"] >= NEW - 1  # one per decoded position, kept for the later calls
     assert got["greedy"] == hf_greedy(hf)

@@ -27,6 +27,9 @@ class SamplingSettings:
     top_k: int = 0  # 0: off
     stop: list[int] = field(default_factory=list)  # stop token ids (kept in the completion)
     seed: int = 0
+    # GPU: decode steps replay CUDA graphs kept between calls with the same number of prompts
+    # (model/decode_graphs.py); the KV cache (seq_length positions) then stays allocated
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -142,17 +145,17 @@ def _generate(strategy, chunks, prompts: list[list[int]], cfg, sampling: Samplin
     completions: list[list[int]] = [[] for _ in prompts]
     done = [False] * rows
 
-    with next_token_logits(strategy, chunks, cfg, rows, total) as forward:
+    with next_token_logits(strategy, chunks, cfg, rows, total, sampling.cuda_graphs) as forward:
         position = min(lengths)
         logits = forward(torch.tensor([p[:position] for p in prompts]))
         while True:
-            chosen = choose_tokens(logits, sampling, _uniforms(sampling.seed, position, groups))
+            chosen = choose_tokens(logits, sampling, _uniforms(sampling.seed, position, groups)).tolist()
             column = []
             for i, prompt in enumerate(prompts):
                 if position < lengths[i]:
                     column.append(prompt[position])
                     continue
-                token = int(chosen[i])
+                token = chosen[i]
                 if not done[i]:
                     completions[i].append(token)
                     done[i] = token in stop or len(completions[i]) == sampling.max_new_tokens

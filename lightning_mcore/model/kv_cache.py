@@ -29,11 +29,12 @@ def cache_unavailable(strategy, cfg) -> str:
 
 
 @contextlib.contextmanager
-def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int):
+def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool = False):
     """A CachedForward (or a RecomputeForward where the cache is unavailable), with the chunks
     in eval mode (mcore reads the inference context only there; no dropout) and, for the
     cache, sequence parallelism off (as mcore's own engine does: a one-token step cannot be
-    split over tensor-parallel ranks); both restored after."""
+    split over tensor-parallel ranks); both restored after. `cuda_graphs`: decode steps replay
+    kept CUDA graphs where model/decode_graphs.py can (else eager)."""
     from megatron.core.transformer.utils import set_model_to_sequence_parallel
     from megatron.core.utils import unwrap_model
 
@@ -46,7 +47,7 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int):
             if sequence_parallel:
                 set_model_to_sequence_parallel(unwrap_model(c), False)
         if cached:
-            yield CachedForward(strategy, chunks, cfg, rows, max_length)
+            yield CachedForward(strategy, chunks, cfg, rows, max_length, cuda_graphs)
         else:
             yield RecomputeForward(strategy, chunks, cfg)
     finally:
@@ -56,23 +57,37 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int):
                 set_model_to_sequence_parallel(unwrap_model(c), True)
 
 
+def new_context(chunk, rows: int, max_length: int, device):
+    """mcore's StaticInferenceContext for `chunk`, with its K/V buffers allocated on `device`."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.transformer.attention import Attention
+
+    context = StaticInferenceContext(rows, max_length)
+    for module in chunk.modules():
+        if isinstance(module, Attention):
+            weight = next(module.parameters())
+            shape = (max_length, rows, module.num_query_groups_per_partition)
+            context.key_value_memory_dict[module.layer_number] = tuple(
+                torch.zeros(*shape, dim, dtype=weight.dtype, device=device)
+                for dim in (module.key_hidden_size, module.val_hidden_size))
+    return context
+
+
 class CachedForward:
-    def __init__(self, strategy, chunks, cfg, rows: int, max_length: int) -> None:
-        from megatron.core.inference.contexts import StaticInferenceContext
-        from megatron.core.transformer.attention import Attention
+    def __init__(self, strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool) -> None:
+        from lightning_mcore.model import decode_graphs
 
         self.strategy, self.chunks, self.cfg, self.rows = strategy, list(chunks), cfg, rows
-        self.contexts = []
-        for chunk in self.chunks:
-            context = StaticInferenceContext(rows, max_length)
-            for module in chunk.modules():
-                if isinstance(module, Attention):
-                    weight = next(module.parameters())
-                    shape = (max_length, rows, module.num_query_groups_per_partition)
-                    context.key_value_memory_dict[module.layer_number] = tuple(
-                        torch.zeros(*shape, dim, dtype=weight.dtype, device=strategy.root_device)
-                        for dim in (module.key_hidden_size, module.val_hidden_size))
-            self.contexts.append(context)
+        device = strategy.root_device
+        self.graphs = None
+        if cuda_graphs and not decode_graphs.graphs_unavailable(strategy, cfg):
+            # kept between calls, so sized for the longest sequence the model takes
+            (chunk,) = self.chunks
+            self.graphs = decode_graphs.decode_graphs(
+                chunk, rows, cfg.vocab_size, lambda: new_context(chunk, rows, cfg.seq_length, device))
+            self.contexts = [self.graphs.context]
+        else:
+            self.contexts = [new_context(c, rows, max_length, device) for c in self.chunks]
         self.length = 0  # positions already in the cache
 
     def __call__(self, columns: torch.Tensor) -> torch.Tensor:
@@ -83,6 +98,18 @@ class CachedForward:
         n = columns.shape[1]
         if self.length and n != 1:
             raise ValueError("CachedForward: after the prefill, append one column per call.")
+        if self.length and self.graphs is not None and not self.graphs.failed:
+            try:
+                with _inference_mode():
+                    logits = self.graphs.step(columns, self.length)
+                self.length += 1
+                return logits
+            except RuntimeError:
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                rank_zero_warn(f"generate: CUDA graph capture of a decode step failed "
+                               f"({self.graphs.failed}); decoding eagerly from now on "
+                               f"(sampling.cuda_graphs: false skips the attempt).")
         positions = torch.arange(self.length, self.length + n, device=device).expand(self.rows, n)
         contexts = {id(chunk): context for chunk, context in zip(self.chunks, self.contexts)}
 
@@ -97,6 +124,8 @@ class CachedForward:
             context.sequence_len_offset = self.length
             if self.length:
                 context.enable_decode_mode()
+            else:
+                context.enable_prefill_mode()  # a kept context starts a new prefill
         with _inference_mode():
             logits = self.strategy.forward_only(micro, step, self.chunks, (n, self.rows),
                                                 (self.rows, vocab))

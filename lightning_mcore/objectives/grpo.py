@@ -54,6 +54,7 @@ class GRPOSampling:
     greedy: bool = False
     stop: list[int] = field(default_factory=list)
     seed: int = 0
+    cuda_graphs: bool = True
 
 
 @dataclass
@@ -206,7 +207,8 @@ class GRPOModule(MegatronModule):
         stop = sorted(set(s.stop) | set(getattr(self.trainer.datamodule, "stop_token_ids", None) or ()))
         settings = SamplingSettings(max_new_tokens=self.max_completion_length, greedy=s.greedy,
                                     temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    stop=stop, seed=s.seed + self.trainer.global_step)
+                                    stop=stop, seed=s.seed + self.trainer.global_step,
+                                    cuda_graphs=s.cuda_graphs)
         completions = generate_batch(strategy, list(self.chunks), prompt_ids, self.model_config, settings)
         tokenizer = self.trainer.datamodule.tokenizer
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]

@@ -1,0 +1,107 @@
+"""Decode steps replayed from CUDA graphs (GPU, TP=1 and PP=1, dense layers).
+
+An eager decode step of a 1B Llama shape costs ~35 ms of host time on an H100 (the mcore and TE
+modules' Python), against ~2 ms for the same kernels replayed from a CUDA graph (measured, see
+benchmarks/RESULTS.md). mcore's own graphed decoding needs flash-attn's KV-cache kernel
+(`flash_decode`), which our GPU machines lack; its static path slices the cache up to the current
+length, a Python int, so one graph holds one position. Hence one graph per position, captured
+the first time that position is decoded and replayed by every later call with the same number
+of rows: GRPO's rollouts decode the same rows every step with new weights.
+
+What a graph bakes in, and how it stays true:
+- buffers: the KV cache (cfg.seq_length positions), the token/position inputs and the logits
+  output are allocated once per row count and kept, in `DecodeGraphs`;
+- weights are read by address: the optimizer updates them in place;
+- Python branches (eval mode and sequence parallelism off, as next_token_logits sets them; LoRA
+  adapters on, off or merged): the adapters' state is part of the key, a change recaptures.
+Left eager: MoE layers (the all-to-all dispatcher copies token counts to the host), pipeline
+and, until shown on GPU, tensor parallelism (see graphs_unavailable).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# chunk -> its DecodeGraphs (one row count at a time: a new count frees the old cache)
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def graphs_unavailable(strategy, cfg) -> str:
+    """Why decode steps run eagerly for this model and layout ("" when graphs are used)."""
+    if strategy.root_device.type != "cuda":
+        return "not on a GPU"
+    if strategy.parallel.pipeline_model_parallel_size > 1:
+        return "pipeline parallelism (each step crosses stages through the schedule)"
+    if strategy.parallel.tensor_model_parallel_size > 1:
+        # not yet shown to work: the first TP=2 try (2x H200) hung in capture, before the
+        # thread-local capture mode below; until a GPU run passes, decode eagerly
+        return "tensor parallelism (graphs with the TP collectives inside are unverified)"
+    if cfg.num_moe_experts:
+        return "MoE layers (the token dispatcher synchronizes with the host)"
+    return ""
+
+
+def decode_graphs(chunk, rows: int, vocab: int, new_context) -> "DecodeGraphs":
+    """The kept DecodeGraphs of this chunk for `rows` rows, made (with `new_context()`, a
+    StaticInferenceContext with its buffers) when there is none for that row count."""
+    kept = _KEPT.get(chunk)
+    if kept is None or kept.rows != rows:
+        _KEPT.pop(chunk, None)  # free the old cache before allocating the new one
+        kept = _KEPT[chunk] = DecodeGraphs(chunk, rows, vocab, new_context())
+    return kept
+
+
+class DecodeGraphs:
+    def __init__(self, chunk, rows: int, vocab: int, context) -> None:
+        self.chunk, self.rows, self.vocab, self.context = chunk, rows, vocab, context
+        device = next(chunk.parameters()).device
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.logits = torch.zeros(rows, vocab, device=device)  # written by every graph
+        self.graphs: dict = {}  # (position, adapters' state) -> torch.cuda.CUDAGraph
+        self.pool = torch.cuda.graph_pool_handle()  # shared: the graphs never run concurrently
+        self.warm = False
+        self.failed = ""  # why a capture failed: the steps then run eagerly
+
+    def step(self, columns: torch.Tensor, position: int) -> torch.Tensor:
+        """Logits [rows, vocab] after appending `columns` [rows, 1] at `position` (the prefill
+        up to `position` went into self.context before)."""
+        from lightning_mcore.model import lora
+
+        self.tokens.copy_(columns)
+        self.positions.fill_(position)
+        key = (position, tuple((a.enabled, a.merged) for _, a, _ in lora.adapters_of([self.chunk])))
+        graph = self.graphs.get(key)
+        if graph is None:
+            try:
+                graph = self.graphs[key] = self._capture(position)
+            except RuntimeError as err:  # an op of some model that cannot be captured
+                self.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                raise
+        graph.replay()
+        return self.logits
+
+    def _run(self) -> None:
+        out = self.chunk(input_ids=self.tokens, position_ids=self.positions, attention_mask=None,
+                         inference_context=self.context, runtime_gather_output=True)
+        self.logits.copy_(out[:, -1, :self.vocab])
+
+    def _capture(self, position: int):
+        self.context.sequence_len_offset = position
+        self.context.enable_decode_mode()
+        if not self.warm:
+            # Lazy state (cuBLAS handles, TE workspaces) is made by an eager step on a side
+            # stream, as torch asks; it writes the same K/V at `position` as the replay will.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._run()
+            torch.cuda.current_stream().wait_stream(side)
+            self.warm = True
+        graph = torch.cuda.CUDAGraph()
+        # thread_local, as mcore captures: other threads (NCCL's watchdog) may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self._run()
+        return graph
