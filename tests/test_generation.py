@@ -210,3 +210,28 @@ def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
     check_one_layout(got)
     assert got["graphs"] >= NEW - 1  # one per decoded position, kept for the later calls
     assert got["greedy"] == hf_greedy(hf)
+
+
+def test_kept_decode_cache_is_reused_and_sized_to_a_power_of_two():
+    """The graphs' KV cache outlives a call: reused while the row count is the same and the
+    sequences fit, else replaced (old one dropped); sized to the call's length rounded up to a
+    power of two, at most seq_length, not to seq_length."""
+    chunk = torch.nn.Linear(2, 2)
+    made = []
+
+    def new_context(capacity):
+        made.append(capacity)
+        return object()
+
+    first = decode_graphs.decode_graphs(chunk, 4, 10, 300, 4096, new_context)
+    assert (first.capacity, made) == (512, [512])
+    assert decode_graphs.decode_graphs(chunk, 4, 10, 512, 4096, new_context) is first
+    assert decode_graphs.decode_graphs(chunk, 4, 10, 20, 4096, new_context) is first
+    longer = decode_graphs.decode_graphs(chunk, 4, 10, 513, 4096, new_context)
+    assert longer is not first and longer.capacity == 1024
+    other_rows = decode_graphs.decode_graphs(chunk, 8, 10, 20, 4096, new_context)
+    assert other_rows is not longer and other_rows.capacity == 32
+    capped = decode_graphs.decode_graphs(chunk, 8, 10, 3000, 3000, new_context)
+    assert capped.capacity == 3000
+    assert made == [512, 1024, 32, 3000]
+    assert decode_graphs._KEPT[chunk] is capped  # one kept per chunk

@@ -9,8 +9,8 @@ the first time that position is decoded and replayed by every later call with th
 of rows: GRPO's rollouts decode the same rows every step with new weights.
 
 What a graph bakes in, and how it stays true:
-- buffers: the KV cache (cfg.seq_length positions), the token/position inputs and the logits
-  output are allocated once per row count and kept, in `DecodeGraphs`;
+- buffers: the KV cache, the token/position inputs and the logits output are allocated once per
+  row count (the cache for a power of two of positions) and kept, in `DecodeGraphs`;
 - weights are read by address: the optimizer updates them in place;
 - Python branches (eval mode and sequence parallelism off, as next_token_logits sets them; LoRA
   adapters on, off or merged): the adapters' state is part of the key, a change recaptures.
@@ -43,25 +43,31 @@ def graphs_unavailable(strategy, cfg) -> str:
     return ""
 
 
-def decode_graphs(chunk, rows: int, vocab: int, new_context) -> "DecodeGraphs":
-    """The kept DecodeGraphs of this chunk for `rows` rows, made (with `new_context()`, a
-    StaticInferenceContext with its buffers) when there is none for that row count."""
+def decode_graphs(chunk, rows: int, vocab: int, length: int, longest: int,
+                  new_context) -> "DecodeGraphs":
+    """The kept DecodeGraphs of this chunk for `rows` rows and sequences of `length` positions,
+    made (with `new_context(capacity)`, a StaticInferenceContext with its buffers) when there is
+    none for that row count or its cache is too short. The capacity is `length` rounded up to a
+    power of two (at most `longest`, the model's seq_length), so that calls whose prompts vary a
+    little keep the same cache, and its graphs, without holding seq_length positions."""
     kept = _KEPT.get(chunk)
-    if kept is None or kept.rows != rows:
+    if kept is None or kept.rows != rows or kept.capacity < length:
         _KEPT.pop(chunk, None)  # free the old cache before allocating the new one
-        kept = _KEPT[chunk] = DecodeGraphs(chunk, rows, vocab, new_context())
+        capacity = min(longest, 1 << max(length - 1, 1).bit_length())
+        kept = _KEPT[chunk] = DecodeGraphs(chunk, rows, vocab, capacity, new_context(capacity))
     return kept
 
 
 class DecodeGraphs:
-    def __init__(self, chunk, rows: int, vocab: int, context) -> None:
+    def __init__(self, chunk, rows: int, vocab: int, capacity: int, context) -> None:
         self.chunk, self.rows, self.vocab, self.context = chunk, rows, vocab, context
+        self.capacity = capacity  # positions the KV cache holds
         device = next(chunk.parameters()).device
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.logits = torch.zeros(rows, vocab, device=device)  # written by every graph
         self.graphs: dict = {}  # (position, adapters' state) -> torch.cuda.CUDAGraph
-        self.pool = torch.cuda.graph_pool_handle()  # shared: the graphs never run concurrently
+        self.pool = None  # one memory pool for all: the graphs never run concurrently
         self.warm = False
         self.failed = ""  # why a capture failed: the steps then run eagerly
 
@@ -100,6 +106,8 @@ class DecodeGraphs:
                 self._run()
             torch.cuda.current_stream().wait_stream(side)
             self.warm = True
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local, as mcore captures: other threads (NCCL's watchdog) may use CUDA meanwhile
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

@@ -28,7 +28,7 @@ class SamplingSettings:
     stop: list[int] = field(default_factory=list)  # stop token ids (kept in the completion)
     seed: int = 0
     # GPU: decode steps replay CUDA graphs kept between calls with the same number of prompts
-    # (model/decode_graphs.py); the KV cache (seq_length positions) then stays allocated
+    # (model/decode_graphs.py); their KV cache then stays allocated between calls
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:

@@ -81,10 +81,10 @@ class CachedForward:
         device = strategy.root_device
         self.graphs = None
         if cuda_graphs and not decode_graphs.graphs_unavailable(strategy, cfg):
-            # kept between calls, so sized for the longest sequence the model takes
             (chunk,) = self.chunks
             self.graphs = decode_graphs.decode_graphs(
-                chunk, rows, cfg.vocab_size, lambda: new_context(chunk, rows, cfg.seq_length, device))
+                chunk, rows, cfg.vocab_size, max_length, cfg.seq_length,
+                lambda capacity: new_context(chunk, rows, capacity, device))
             self.contexts = [self.graphs.context]
         else:
             self.contexts = [new_context(c, rows, max_length, device) for c in self.chunks]
