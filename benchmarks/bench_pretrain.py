@@ -366,11 +366,12 @@ def main() -> None:
     if args.recompute_block is not None:
         if args.recompute != "full":
             ap.error("--recompute-block needs --recompute full")
-        extra.update(recompute_method="block", recompute_num_layers=args.recompute_block)
     if args.moe_capacity is not None:
         extra.update(moe_expert_capacity_factor=args.moe_capacity, moe_pad_expert_input_to_capacity=True)
     cfg = GPTConfig(**shape, seq_length=args.seq, transformer_impl="transformer_engine", fp8=args.fp8,
-                    recompute_granularity=args.recompute, extra=extra)
+                    recompute_granularity=args.recompute, extra=extra,
+                    **({} if args.recompute_block is None else
+                       dict(recompute_method="block", recompute_num_layers=args.recompute_block)))
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp,

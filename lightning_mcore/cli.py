@@ -267,7 +267,7 @@ class MegatronCLI(LightningCLI):
     def _layout_error(self, error: LayoutError) -> NoReturn:
         keys = self._layout_keys(error)
         where = f" ({', '.join(keys)})" if keys else ""
-        self._error(f"invalid parallel layout{where}: {error}", error)
+        self._error(f"invalid {error.what}{where}: {error}", error)
 
     def _layout_keys(self, error: LayoutError) -> list[str]:
         """`key=value` for each config key behind the settings the error names."""
@@ -286,6 +286,8 @@ class MegatronCLI(LightningCLI):
         if error.optimizer:
             optim = getattr(getattr(self, "model", None), "optim", None)
             keys.append(f"model.init_args.optim.optimizer={getattr(optim, 'optimizer', None)}")
+        optim = getattr(getattr(self, "model", None), "optim", None)
+        keys += [f"model.init_args.optim.{f}={getattr(optim, f, None)}" for f in getattr(error, "optim_fields", ())]
         model_config = getattr(getattr(self, "model", None), "model_config", None)
         for field in error.fields:
             keys.append(self._model_key(field, getattr(model_config, field, None)))

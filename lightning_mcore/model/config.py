@@ -89,8 +89,17 @@ class GPTConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     # Execution
     transformer_impl: TransformerImpl = "auto"
+    # Activation recompute (GPU; checks: strategy/memory.py). "full" recomputes whole layers:
+    # "uniform" all of them, recompute_num_layers (default 1) per checkpointed unit, or "block"
+    # only the first recompute_num_layers of each pipeline stage. "selective" recomputes parts of
+    # every layer: recompute_modules, mcore's names (None: its default, ["core_attn"]).
     recompute_granularity: Optional[Literal["full", "selective"]] = None
+    recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: Optional[int] = None
+    recompute_modules: Optional[list[str]] = None
+    # Activations of the first N layers wait in CPU memory between forward and backward (mcore's
+    # cpu_offloading through Transformer Engine; PP=1, no recompute). 0: off.
+    activation_offload_layers: int = 0
     # FP8 matmuls through Transformer Engine (E4M3 forward, E5M2 gradients): "delayed" scaling
     # (amax history) or "current" (per-tensor amax of the tensor being cast). GPU only.
     fp8: Optional[Literal["delayed", "current"]] = None
@@ -225,7 +234,13 @@ def to_transformer_config(
         # ended 3% above bf16 after 200 steps on the 3B shape; this one 0.6% (benchmarks/RESULTS.md).
         kwargs.update(fp8="hybrid", fp8_recipe="delayed" if cfg.fp8 == "delayed" else "tensorwise")
     if cfg.recompute_granularity == "full":
-        kwargs.update(recompute_method="uniform", recompute_num_layers=cfg.recompute_num_layers or 1)
+        kwargs.update(recompute_method=cfg.recompute_method,
+                      recompute_num_layers=cfg.recompute_num_layers or 1)
+    if cfg.recompute_granularity == "selective" and cfg.recompute_modules is not None:
+        kwargs.update(recompute_modules=list(cfg.recompute_modules))
+    if cfg.activation_offload_layers:
+        kwargs.update(cpu_offloading=True, cpu_offloading_num_layers=cfg.activation_offload_layers,
+                      cpu_offloading_activations=True, cpu_offloading_weights=False)
     if cfg.uses_sliding_window():
         # TE's window (left, right) keeps keys q-left <= k <= q+right; HF's q-W < k <= q.
         kwargs.update(window_size=(cfg.sliding_window - 1, 0), window_attn_skip_freq=[

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
+from lightning_mcore.strategy.memory import validate_memory
 from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.optimizer import (
     MegatronOptimizer,
@@ -138,17 +139,15 @@ class MegatronStrategy(DDPStrategy):
         """Context for calls into mcore: on CPU, CUDA-only tensor creation lands on CPU."""
         return cuda_on_cpu() if self.on_cpu else contextlib.nullcontext()
 
-    def validate(self, model_config=None, optimizer: Optional[str] = None) -> None:
-        """All layout checks, pure: runs before any process group or model exists."""
-        validate_layout(
-            self.num_nodes * self.num_processes,
-            self.parallel,
-            self.batch,
-            model_config,
-            accelerator="cpu" if self.on_cpu else "gpu",
-            use_te=model_config.uses_te("cpu" if self.on_cpu else "gpu") if model_config else False,
-            optimizer=optimizer,
-        )
+    def validate(self, model_config=None, optimizer: Optional[str] = None,
+                 optim: Optional[OptimizerSettings] = None) -> None:
+        """All layout and memory-option checks, pure: runs before any process group or model
+        exists. `optim`: the module's OptimizerSettings, where known."""
+        accelerator = "cpu" if self.on_cpu else "gpu"
+        use_te = model_config.uses_te(accelerator) if model_config else False
+        validate_layout(self.num_nodes * self.num_processes, self.parallel, self.batch, model_config,
+                        accelerator=accelerator, use_te=use_te, optimizer=optimizer)
+        validate_memory(self.parallel, model_config, optim, accelerator, use_te)
 
     def _configure_launcher(self) -> None:
         # Lightning calls this when the Trainer is built: the earliest point at which the world
@@ -164,10 +163,11 @@ class MegatronStrategy(DDPStrategy):
         """Settle the fast-path defaults for the module's optimizer (`optim`), then run every
         check, those on its model config (`model_config`) and LoRA (`lora`) included. Needs no
         process group."""
-        optimizer = getattr(getattr(module, "optim", None), "optimizer", None)
+        optim = getattr(module, "optim", None)
+        optimizer = getattr(optim, "optimizer", None)
         self.parallel = resolve_fast_path(self._requested_parallel, not self.on_cpu, optimizer)
         model_config = getattr(module, "model_config", None)
-        self.validate(model_config, optimizer)
+        self.validate(model_config, optimizer, optim if isinstance(optim, OptimizerSettings) else None)
         if getattr(module, "lora", None) is not None and model_config is not None:
             from lightning_mcore.model.lora_checks import check_lora_plan
 

@@ -39,6 +39,11 @@ class OptimizerSettings:
     # A step whose loss or gradient norm is NaN/inf never updates the weights; "stop" then
     # raises NonFiniteError naming the step, "skip" goes on with the next batch.
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    # Adam's state (and its update) in CPU memory: mcore's HybridDeviceOptimizer, inside the
+    # distributed optimizer (GPU; strategy/memory.py checks the layout). offload_fraction: the
+    # share of the state offloaded, the rest stays on the GPU.
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -47,12 +52,25 @@ class OptimizerSettings:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}.")
+        if not 0 < self.offload_fraction <= 1:
+            raise ValueError(f"offload_fraction={self.offload_fraction} must be in (0, 1]: the share "
+                             f"of the optimizer state that cpu_offload moves to CPU memory.")
+        if self.cpu_offload and self.optimizer != "adam":
+            raise ValueError(f"cpu_offload=True works with optimizer='adam' only (mcore offloads "
+                             f"through the distributed optimizer, Adam's), not {self.optimizer!r}.")
 
 
-def build_megatron_optimizer(chunks, settings: OptimizerSettings, parallel, dtype: torch.dtype):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype):
+    """mcore's OptimizerConfig for these settings under this layout and dtype."""
+    from megatron.core.optimizer import OptimizerConfig
 
-    config = OptimizerConfig(
+    offload = {}
+    if settings.cpu_offload:
+        # Megatron-LM's training asserts the precision-aware path with offload: the hybrid
+        # optimizer reuses it (decoupled grads, fp32 main weights). mcore skips its TE check then.
+        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=settings.offload_fraction,
+                       use_precision_aware_optimizer=True)
+    return OptimizerConfig(
         optimizer=settings.optimizer,
         lr=settings.lr,
         min_lr=settings.min_lr,
@@ -66,8 +84,14 @@ def build_megatron_optimizer(chunks, settings: OptimizerSettings, parallel, dtyp
         params_dtype=dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
         overlap_param_gather=parallel.overlap_param_gather,
+        **offload,
     )
-    return get_megatron_optimizer(config, list(chunks))
+
+
+def build_megatron_optimizer(chunks, settings: OptimizerSettings, parallel, dtype: torch.dtype):
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    return get_megatron_optimizer(optimizer_config(settings, parallel, dtype), list(chunks))
 
 
 def build_lr_scheduler(optimizer, settings: OptimizerSettings, max_steps: int):

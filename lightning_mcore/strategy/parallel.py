@@ -27,6 +27,8 @@ class LayoutError(ValueError):
     (the world size, devices x num_nodes), `accelerator` and `optimizer` (the module's
     OptimizerSettings.optimizer)."""
 
+    what = "parallel layout"  # what the CLI calls invalid
+
     def __init__(self, message: str, options: tuple = (), fields: tuple = (),
                  devices: bool = False, accelerator: bool = False, optimizer: bool = False) -> None:
         super().__init__(message)
