@@ -127,6 +127,7 @@ def test_filled_to_a_common_length_with_a_pad_sequence():
 
 def test_other_packed_objectives_refused_with_context_parallelism():
     from lightning_mcore import MegatronStrategy
+    from lightning_mcore import DistillModule, GRPOModule, KTOModule
     from lightning_mcore.objectives.dpo import DPOModule
     from lightning_mcore.objectives.reward import RewardModule
     from lightning_mcore.objectives.sft import SFTModule
@@ -135,7 +136,7 @@ def test_other_packed_objectives_refused_with_context_parallelism():
     strategy = MegatronStrategy(context_parallel_size=2, global_batch_size=4)
     strategy.parallel = strategy._requested_parallel
     strategy.refuse_packed_context_parallel(SFTModule.__new__(SFTModule))
-    for cls in (DPOModule, RewardModule):
+    for cls in (DPOModule, KTOModule, RewardModule, DistillModule, GRPOModule):
         with pytest.raises(LayoutError, match=f"context_parallel_size=2 with {cls.__name__}'s packed"):
             strategy.refuse_packed_context_parallel(cls.__new__(cls))
     cp1 = MegatronStrategy(global_batch_size=4)
