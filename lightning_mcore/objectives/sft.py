@@ -18,6 +18,9 @@ from lightning_mcore.objectives.loss import masked_token_loss
 
 class SFTModule(MegatronModule):
     packed_sequences = True
+    # forward_packed takes the context-parallel offsets from the sliced microbatch and the loss
+    # is a token sum, so packed rows split over cp ranks (strategy._context_parallel_slices).
+    packed_context_parallel = True
 
     def forward_step(self, batch: dict, chunk):
         if "segment_ids" not in batch:

@@ -41,6 +41,7 @@ from lightning_mcore.strategy.optimizer import (
 )
 from lightning_mcore.strategy.parallel import (
     BatchConfig,
+    LayoutError,
     ParallelConfig,
     resolve_fast_path,
     validate_layout,
@@ -172,6 +173,7 @@ class MegatronStrategy(DDPStrategy):
             from lightning_mcore.model.lora_checks import check_lora_plan
 
             check_lora_plan(module.lora, model_config, self.uses_te(model_config))
+        self.refuse_packed_context_parallel(module)
         if hasattr(module, "check_layout"):  # the module's own needs of the batch (GRPO's groups)
             module.check_layout(self)
 
@@ -281,25 +283,47 @@ class MegatronStrategy(DDPStrategy):
             )
 
     def _context_parallel_slices(self, micro: list[dict], packed: bool) -> list[dict]:
-        """This cp rank's balanced share of every microbatch (parallel.context_parallel_slice).
-        Token losses and counts from all shares meet in the data-parallel x cp reduction."""
-        if self.parallel.context_parallel_size == 1:
+        """This cp rank's balanced share of every microbatch (parallel.context_parallel_slice;
+        for packed THD rows model/packing.packed_context_parallel_slice, every microbatch padded
+        to one length). Token losses and counts from all shares meet in the data-parallel x cp
+        reduction (reduce_metrics, finalize_model_grads' num_tokens)."""
+        cp = self.parallel.context_parallel_size
+        if cp == 1:
             return micro
-        if packed:
-            raise NotImplementedError(
-                "context_parallel_size > 1 with packed (THD) sequences is not supported yet; "
-                "use context_parallel_size=1 for SFT/DPO, or pretraining (PretrainModule) with CP."
-            )
         from megatron.core import parallel_state
 
+        rank = parallel_state.get_context_parallel_rank()
+        if packed:
+            from lightning_mcore.model.packing import cp_row_length, packed_context_parallel_slice
+
+            self.refuse_packed_context_parallel(self.lightning_module)
+            multiple = 2 * cp * (self.parallel.tensor_model_parallel_size
+                                 if self.parallel.sequence_parallel else 1)
+            length = cp_row_length([mb["segment_ids"] for mb in micro], cp, multiple)
+            return [packed_context_parallel_slice(mb, cp, rank, length) for mb in micro]
         from lightning_mcore.strategy.parallel import context_parallel_slice
 
-        rank = parallel_state.get_context_parallel_rank()
-        return [context_parallel_slice(mb, self.parallel.context_parallel_size, rank) for mb in micro]
+        return [context_parallel_slice(mb, cp, rank) for mb in micro]
 
-    def _schedule_shape(self, seq: int, packed: bool) -> tuple[int, int]:
+    def refuse_packed_context_parallel(self, module) -> None:
+        """Only modules whose forward step takes PackedSeqParams from the sliced microbatch
+        (model/packing.packed_seq_params_for) and reduces token sums, such as SFT, set
+        `packed_context_parallel`; others read whole rows (DPO's pairs, reward's last tokens)."""
+        if (self.parallel.context_parallel_size > 1 and getattr(module, "packed_sequences", False)
+                and not getattr(module, "packed_context_parallel", False)):
+            raise LayoutError(
+                f"context_parallel_size={self.parallel.context_parallel_size} with "
+                f"{type(module).__name__}'s packed sequences is not supported yet (packed context "
+                f"parallelism is wired for SFT only); use context_parallel_size=1.",
+                options=("context_parallel_size",),
+            )
+
+    def _schedule_shape(self, seq: int, packed: bool, micro: Optional[list] = None) -> tuple[int, int]:
         """(seq_length, micro_batch_size) for mcore's schedule: a packed microbatch travels as
-        one row of micro_batch_size * seq tokens."""
+        one row of micro_batch_size * seq tokens, or under context parallelism of the padded
+        length every microbatch was filled to (mcore divides it by the cp size itself)."""
+        if packed and micro and "cu_seqlens_padded" in micro[0]:
+            return int(micro[0]["cu_seqlens_padded"][-1]), 1
         mbs = self.batch.micro_batch_size
         return (seq * mbs, 1) if packed else (seq, mbs)
 
@@ -442,7 +466,7 @@ class MegatronStrategy(DDPStrategy):
         chunks = list(self.lightning_module.chunks)
         iters = [iter(micro) for _ in chunks]
         # the whole sequence length: mcore divides it by the cp size for pipeline tensors itself
-        schedule_shape = self._schedule_shape(next(iter(batch.values())).shape[1], packed)
+        schedule_shape = self._schedule_shape(next(iter(batch.values())).shape[1], packed, micro)
 
         if not forward_only:
             for optimizer in self.optimizers:
