@@ -1,4 +1,4 @@
-"""Run under torchrun (2 GPUs) by test_gpu_sft_cp: packed SFT (test_sft_packing's rows: samples of
+"""Run under torchrun (2 GPUs) by test_gpu_layouts.py (packed SFT test): packed SFT (test_sft_packing's rows: samples of
 odd lengths, several per row) for 5 steps at CP=1 (data parallel over the 2 GPUs) and at CP=2
 (every sequence padded to a multiple of 4 and split over the 2 GPUs), same global batch, bf16 with
 TE; rank 0 writes each run's per-step (loss, grad norm) to argv[1]/runs.json."""
