@@ -105,6 +105,8 @@ class CachedForward:
                 self.length += 1
                 return logits
             except RuntimeError:
+                if not self.graphs.failed:  # not a capture: a real error of the step
+                    raise
                 from lightning.pytorch.utilities import rank_zero_warn
 
                 rank_zero_warn(f"generate: CUDA graph capture of a decode step failed "
