@@ -70,13 +70,15 @@ class Generate(L.Callback):
         (self.out.parent / f"{self.out.stem}.rank{trainer.global_rank}.json").write_text(json.dumps(got))
 
 
-def run(tmp_path, source: str, devices: int, name: str, **parallel) -> dict:
+def run(tmp_path, source: str, devices: int, name: str, accelerator: str = "cpu", **parallel) -> dict:
     out = tmp_path / f"{name}.json"
+    # a forked child cannot use CUDA once the parent has: GPU ranks start fresh processes
+    start_method = "fork" if accelerator == "cpu" else "popen"
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
+        accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         callbacks=[Generate(out)],
-        strategy=MegatronStrategy(global_batch_size=devices, start_method="fork", **parallel),
+        strategy=MegatronStrategy(global_batch_size=devices, start_method=start_method, **parallel),
     )
     prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
     trainer.predict(PretrainModule(source), DataLoader([prompts], batch_size=None))
@@ -181,23 +183,6 @@ def test_kv_cache_generation_for_latent_attention_and_windows(family, tmp_path):
     assert got["greedy"] == got["reference"] == hf_greedy(hf)
 
 
-def gpu_run(tmp_path, source: str, devices: int, **parallel) -> dict:
-    out = tmp_path / f"gpu{devices}.json"
-    trainer = L.Trainer(
-        accelerator="gpu", devices=devices, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        strategy=MegatronStrategy(global_batch_size=devices, start_method="popen", **parallel),
-        callbacks=[Generate(out)],
-    )
-    module = PretrainModule(source)
-    assert module.model_config.uses_te("gpu")
-    prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
-    trainer.predict(module, DataLoader([prompts], batch_size=None))
-    got = [json.loads((tmp_path / f"gpu{devices}.rank{r}.json").read_text()) for r in range(devices)]
-    assert all(g == got[0] for g in got[1:]), "ranks disagree"
-    return got[0]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
@@ -206,7 +191,8 @@ def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
     sampling reproducible."""
     source = tmp_path / "llama"
     hf = make_hf_model("llama", source)
-    got = gpu_run(tmp_path, str(source), 1)
+    assert PretrainModule(str(source)).model_config.uses_te("gpu")
+    got = run(tmp_path, str(source), 1, "gpu", accelerator="gpu")
     check_one_layout(got)
     assert got["graphs"] >= NEW - 1  # one per decoded position, kept for the later calls
     assert got["greedy"] == hf_greedy(hf)

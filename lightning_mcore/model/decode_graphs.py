@@ -71,14 +71,19 @@ class DecodeGraphs:
         self.warm = False
         self.failed = ""  # why a capture failed: the steps then run eagerly
 
-    def step(self, columns: torch.Tensor, position: int) -> torch.Tensor:
-        """Logits [rows, vocab] after appending `columns` [rows, 1] at `position` (the prefill
-        up to `position` went into self.context before)."""
+    def adapters_state(self) -> tuple:
+        """The LoRA adapters' Python switches, which a graph bakes in (fixed during a call)."""
         from lightning_mcore.model import lora
 
+        return tuple((a.enabled, a.merged) for _, a, _ in lora.adapters_of([self.chunk]))
+
+    def step(self, columns: torch.Tensor, position: int, adapters_state: tuple) -> torch.Tensor:
+        """Logits [rows, vocab] after appending `columns` [rows, 1] at `position` (the prefill
+        up to `position` went into self.context before; `adapters_state`: adapters_state() of
+        this call)."""
         self.tokens.copy_(columns)
         self.positions.fill_(position)
-        key = (position, tuple((a.enabled, a.merged) for _, a, _ in lora.adapters_of([self.chunk])))
+        key = (position, adapters_state)
         graph = self.graphs.get(key)
         if graph is None:
             try:

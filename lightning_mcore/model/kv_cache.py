@@ -86,6 +86,7 @@ class CachedForward:
                 chunk, rows, cfg.vocab_size, max_length, cfg.seq_length,
                 lambda capacity: new_context(chunk, rows, capacity, device))
             self.contexts = [self.graphs.context]
+            self.adapters_state = self.graphs.adapters_state()
         else:
             self.contexts = [new_context(c, rows, max_length, device) for c in self.chunks]
         self.length = 0  # positions already in the cache
@@ -101,7 +102,7 @@ class CachedForward:
         if self.length and self.graphs is not None and not self.graphs.failed:
             try:
                 with _inference_mode():
-                    logits = self.graphs.step(columns, self.length)
+                    logits = self.graphs.step(columns, self.length, self.adapters_state)
                 self.length += 1
                 return logits
             except RuntimeError:

@@ -24,7 +24,7 @@ starting weights sharded like the policy, as in DPO; its log-probs are taken onc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -205,10 +205,9 @@ class GRPOModule(MegatronModule):
             self.check_prompt_length(len(ids), "a prompt of the batch")
         s = self.sampling
         stop = sorted(set(s.stop) | set(getattr(self.trainer.datamodule, "stop_token_ids", None) or ()))
-        settings = SamplingSettings(max_new_tokens=self.max_completion_length, greedy=s.greedy,
-                                    temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    stop=stop, seed=s.seed + self.trainer.global_step,
-                                    cuda_graphs=s.cuda_graphs)
+        # GRPOSampling is SamplingSettings without the length: every other field passes through
+        settings = SamplingSettings(**{**asdict(s), "stop": stop, "seed": s.seed + self.trainer.global_step},
+                                    max_new_tokens=self.max_completion_length)
         completions = generate_batch(strategy, list(self.chunks), prompt_ids, self.model_config, settings)
         tokenizer = self.trainer.datamodule.tokenizer
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
