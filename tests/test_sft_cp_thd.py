@@ -125,7 +125,7 @@ def test_filled_to_a_common_length_with_a_pad_sequence():
         packed_context_parallel_slice(micro(), 2, 0, length=26)
 
 
-def test_other_packed_objectives_refused_with_context_parallelism():
+def test_packed_objectives_other_than_sft_and_dpo_refused_with_context_parallelism():
     from lightning_mcore import MegatronStrategy
     from lightning_mcore import DistillModule, GRPOModule, KTOModule
     from lightning_mcore.objectives.dpo import DPOModule
@@ -136,7 +136,8 @@ def test_other_packed_objectives_refused_with_context_parallelism():
     strategy = MegatronStrategy(context_parallel_size=2, global_batch_size=4)
     strategy.parallel = strategy._requested_parallel
     strategy.refuse_packed_context_parallel(SFTModule.__new__(SFTModule))
-    for cls in (DPOModule, KTOModule, RewardModule, DistillModule, GRPOModule):
+    strategy.refuse_packed_context_parallel(DPOModule.__new__(DPOModule))
+    for cls in (KTOModule, RewardModule, DistillModule, GRPOModule):
         with pytest.raises(LayoutError, match=f"context_parallel_size=2 with {cls.__name__}'s packed"):
             strategy.refuse_packed_context_parallel(cls.__new__(cls))
     cp1 = MegatronStrategy(global_batch_size=4)
@@ -177,3 +178,32 @@ def test_strategy_fills_microbatches_to_one_length(monkeypatch, rank):
     assert got[0]["tokens"].shape == got[1]["tokens"].shape == (1, 20)
     assert got[0]["cu_seqlens_padded"].tolist() == CU_PADDED + [40]
     assert strategy._schedule_shape(8, True, got) == (40, 1)
+
+
+def test_dpo_pair_sums_of_all_cp_shares_equal_the_whole_rows():
+    """DPO under cp=2: each rank sums its share of every (row, chosen/rejected) sequence by the
+    row_ids the split carries; the two ranks' sums add up to the sums over the whole rows,
+    written out here by hand. Per-row tensors (the reference log-probs) reach both ranks whole."""
+    from lightning_mcore.objectives.dpo import pair_sums
+
+    # row 0: chosen = sample a (3 tokens), rejected = b (5); row 1: chosen c (7), rejected d (1)
+    segments = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 2]])
+    reference = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])
+    micro = {**{k: v for k, v in globals()["micro"]().items() if k != "segment_ids"},
+             "segment_ids": segments, "ref_logps": reference}
+    # a token loss that travels with its token: 0.01 * token id
+    hand_sums = [[-(0.11 + 0.12), -(0.14 + 0.15 + 0.16 + 0.17)],  # loss-mask 1 tokens only
+                 [-(0.22 + 0.23 + 0.24 + 0.25 + 0.26), 0.0]]
+    hand_counts = [[2, 4], [5, 0]]
+    total_sums, total_counts = torch.zeros(2, 2), torch.zeros(2, 2)
+    for rank in (0, 1):
+        share = packed_context_parallel_slice(micro, cp=2, rank=rank)
+        assert torch.equal(share["ref_logps"], reference)
+        sums, counts = pair_sums(share["tokens"].double() * 0.01, share, rows=2)
+        total_sums += sums
+        total_counts += counts
+    torch.testing.assert_close(total_sums, torch.tensor(hand_sums), rtol=0, atol=1e-6)
+    assert total_counts.tolist() == hand_counts
+    whole_sums, whole_counts = pair_sums(TOKENS.double() * 0.01, micro)  # the unsplit path agrees
+    torch.testing.assert_close(whole_sums, torch.tensor(hand_sums), rtol=0, atol=1e-6)
+    assert whole_counts.tolist() == hand_counts

@@ -69,11 +69,15 @@ def packed_context_parallel_slice(micro: dict, cp: int, rank: int, length: Optio
     get_thd_batch_on_this_cp_rank takes them.
 
     Every sequence is padded at its end to a multiple of 2*cp (pad tokens: id 0, label 0,
-    loss_mask 0, position 0; mcore's THD RoPE derives positions from cu_seqlens_padded). With
+    loss_mask 0, position 0; mcore's THD RoPE derives positions from cu_seqlens_padded).
+    `row_ids` (the row each token came from; pads say 0) is added and split like the tokens, for
+    objectives that sum per row; tensors with one value per row ([rows] or [rows, k]) pass
+    through whole. With
     `length` (a multiple of 2*cp, at least the padded total) the row is filled up to it with
     one more sequence of pad tokens, so that every microbatch of a step has the same shape
     for the pipeline schedule."""
     seg = micro["segment_ids"]
+    rows, seq = seg.shape
     cu = cu_seqlens_of(seg)
     padded = cp_partition.pad_for_cp(cu, cp)
     total = int(padded[-1])
@@ -82,9 +86,13 @@ def packed_context_parallel_slice(micro: dict, cp: int, rank: int, length: Optio
         raise ValueError(f"length {length} must be a multiple of 2*cp = {2 * cp} and at least the "
                          f"padded row's {total} tokens")
     fill = length - total
-    out = {}
-    for key, value in micro.items():
+    row_ids = torch.arange(rows, device=seg.device)[:, None].expand(rows, seq)
+    out, per_row = {}, {}
+    for key, value in {**micro, "row_ids": row_ids}.items():
         if value.shape[:2] != seg.shape:
+            if value.shape[0] == rows and (value.dim() == 1 or value.shape[1] != seq):
+                per_row[key] = value  # one value per row (e.g. DPO's reference log-probs)
+                continue
             raise ValueError(f"packed context parallelism splits [rows, seq] tensors like segment_ids "
                              f"{tuple(seg.shape)}; {key} has shape {tuple(value.shape)}")
         flat = cp_partition.pad(value.reshape(-1, *value.shape[2:]), cu, padded, dim=0, value=0)
@@ -95,6 +103,7 @@ def packed_context_parallel_slice(micro: dict, cp: int, rank: int, length: Optio
         cu = torch.cat([cu, cu[-1:] + fill])
         padded = torch.cat([padded, padded.new_tensor([length])])
     out = {k: cp_partition.partition(v, padded, cp, rank, dim=1) for k, v in out.items()}
+    out.update(per_row)
     out["cu_seqlens"], out["cu_seqlens_padded"] = cu, padded
     out["max_seqlen"] = (padded[1:] - padded[:-1]).max().reshape(1)
     return out

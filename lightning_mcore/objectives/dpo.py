@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.cp_reduce import context_parallel_first, context_parallel_sum
 from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
@@ -31,16 +32,36 @@ METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "
            "logps/chosen", "logps/rejected")
 
 
-def pair_logps(token_losses: torch.Tensor, batch: dict, average: bool = False) -> torch.Tensor:
-    """[rows, 2]: (chosen, rejected) summed (or averaged) response log-probs of each row."""
-    rows, seq = batch["loss_mask"].shape
-    logp = -token_losses.float().reshape(rows, seq) * batch["loss_mask"]
-    out = []
-    for segment in (1, 2):
-        mask = (batch["segment_ids"] == segment).float() * batch["loss_mask"]
-        total = (logp * (batch["segment_ids"] == segment)).sum(-1)
-        out.append(total / mask.sum(-1).clamp(min=1) if average else total)
-    return torch.stack(out, dim=-1)
+def pair_logps(token_losses: torch.Tensor, batch: dict, average: bool = False,
+               rows: Optional[int] = None) -> torch.Tensor:
+    """[rows, 2]: (chosen, rejected) summed (or averaged) response log-probs of each row. Under
+    context parallelism (`batch` is this rank's share, with row_ids; `rows`: the microbatch's
+    rows) the sums of all cp ranks' shares are added (model/cp_reduce.py)."""
+    sums, counts = pair_sums(token_losses, batch, rows)
+    if "row_ids" in batch:
+        sums, counts = context_parallel_sum(sums), context_parallel_sum(counts)
+    return sums / counts.clamp(min=1) if average else sums
+
+
+def pair_sums(token_losses: torch.Tensor, batch: dict, rows: Optional[int] = None):
+    """([rows, 2] response log-prob sums, [rows, 2] response token counts) of the tokens in
+    `batch`: a [rows, seq] microbatch, or one THD row whose tokens say their row in row_ids."""
+    segment = batch["segment_ids"].reshape(-1)
+    mask = batch["loss_mask"].reshape(-1).float()
+    if "row_ids" in batch:
+        row = batch["row_ids"].reshape(-1).long()
+    else:
+        rows = batch["segment_ids"].shape[0]
+        row = torch.arange(rows, device=segment.device).repeat_interleave(batch["segment_ids"].shape[1])
+    logp = -token_losses.float().reshape(-1) * mask
+    sums = logp.new_zeros(rows * 2)
+    counts = mask.new_zeros(rows * 2)
+    for side in (0, 1):  # segment 1: chosen, 2: rejected; padding (0) counts nowhere
+        take = segment == side + 1
+        index = row[take] * 2 + side
+        sums = sums.index_add(0, index, logp[take])
+        counts = counts.index_add(0, index, mask[take])
+    return sums.reshape(rows, 2), counts.reshape(rows, 2)
 
 
 def preference_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float,
@@ -66,6 +87,9 @@ class DPOModule(MegatronModule):
     """`beta`, `label_smoothing` (sigmoid only) and `loss_type` ("sigmoid" DPO or "ipo")."""
 
     packed_sequences = True
+    # under context parallelism each rank sums its share of every sequence and the shares are
+    # added over the cp group (pair_logps), so packed rows split over cp ranks
+    packed_context_parallel = True
 
     def __init__(
         self,
@@ -99,8 +123,10 @@ class DPOModule(MegatronModule):
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         average = self.loss_type == "ipo"
 
+        rows = self._strategy().batch.micro_batch_size
+
         def step(mb, chunk):
-            return forward_packed(chunk, mb), lambda out: pair_logps(out, mb, average)
+            return forward_packed(chunk, mb), lambda out: pair_logps(out, mb, average, rows)
 
         strategy = self._strategy()
         if self.lora is not None:
@@ -112,11 +138,14 @@ class DPOModule(MegatronModule):
         out = forward_packed(chunk, batch)
 
         def loss_fn(token_losses):
-            policy = pair_logps(token_losses, batch, average=self.loss_type == "ipo")
-            losses, metrics = preference_loss(policy, batch["ref_logps"], self.beta,
+            reference = batch["ref_logps"]
+            policy = pair_logps(token_losses, batch, self.loss_type == "ipo", len(reference))
+            losses, metrics = preference_loss(policy, reference, self.beta,
                                               self.label_smoothing, self.loss_type)
-            pairs = torch.tensor(losses.numel(), device=losses.device)
-            report = {k: torch.stack([v.detach().float().sum(), pairs.float()]) for k, v in metrics.items()}
+            # every cp rank holds the same pair losses: counted (and reported) on the first only
+            once = float(context_parallel_first())
+            pairs = torch.tensor(losses.numel() * once, device=losses.device)
+            report = {k: torch.stack([v.detach().float().sum() * once, pairs]) for k, v in metrics.items()}
             return losses.sum(), pairs.to(torch.int), report
 
         return out, loss_fn

@@ -60,6 +60,9 @@ class KTOModule(DPOModule):
     desirable_weight * desirable examples / (undesirable_weight * undesirable examples) in
     [1, 4/3])."""
 
+    # its KL estimate pairs rows across the batch; not wired for context parallel shares
+    packed_context_parallel = False
+
     def __init__(
         self,
         model: Union[GPTConfig, str],

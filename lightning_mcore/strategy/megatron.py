@@ -258,13 +258,16 @@ class MegatronStrategy(DDPStrategy):
         """Forward-only pass over the batch's microbatches where `forward_step` returns
         (output, collect) and `collect(output)` gives [micro_batch, width] per microbatch on the
         last stage (e.g. per-sample log-probs); returns [rows, width] on every rank. `chunks`:
-        other model chunks than the module's (a frozen reference), sharded the same way."""
-        self.refuse_context_parallel("forward_collect (e.g. DPO's reference pass)")
+        other model chunks than the module's (a frozen reference), sharded the same way. Under
+        context parallelism only packed rows of a module that sets `packed_context_parallel`
+        (its collect adds the cp ranks' shares, as DPO's pair_logps does)."""
+        if not packed:
+            self.refuse_context_parallel("forward_collect (e.g. DPO's reference pass)")
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
-        micro = self.split_microbatches(batch)
+        micro = self._context_parallel_slices(self.split_microbatches(batch), packed)
         chunks = list(chunks if chunks is not None else self.lightning_module.chunks)
         rows, seq = next(iter(batch.values())).shape[:2]
-        return self.forward_only(micro, forward_step, chunks, self._schedule_shape(seq, packed),
+        return self.forward_only(micro, forward_step, chunks, self._schedule_shape(seq, packed, micro),
                                   (rows, width))
 
     def check_sequence_length(self, seq: int, what: str) -> None:
