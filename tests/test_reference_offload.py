@@ -1,9 +1,10 @@
 """offload_reference (issue 22): a frozen DPO/GRPO reference kept in CPU memory, on the device only
 for its forward pass (model/offload.py). Here on CPU: the weights round-trip bitwise in the same
-Parameter objects; each block works on fresh copies and leaves the CPU copy as it was; a DPO run
-takes its reference passes on those copies and gives the losses of a run without offload; what
-has nothing to offload, or no GPU to save, is refused. tests/test_gpu_reference_offload.py runs
-the same DPO comparison on a GPU (run_dpo below)."""
+Parameter objects; each block works on fresh copies and leaves the CPU copy as it was; DPO and
+GRPO runs take their reference passes on those copies and give the losses of runs without
+offload; what has nothing to offload, or no GPU to save, is refused. On CPU the losses would be
+equal without offload too: what can fail there is where the passes ran.
+tests/test_gpu_reference_offload.py runs the same DPO comparison on a GPU (run_dpo below)."""
 
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ class WatchReference(L.Callback):
 def where(chunks) -> dict:
     params = [p for c in chunks for p in c.parameters()]
     return {"devices": sorted({str(p.device) for p in params}), "pointers": [p.data_ptr() for p in params],
-            "ids": [id(p) for p in params]}
+            "ids": [id(p) for p in params], "pinned": all(p.is_pinned() for p in params)}
 
 
 ROWS, MICRO, STEPS = 8, 2, 3
