@@ -288,6 +288,8 @@ class MegatronCLI(LightningCLI):
             keys.append(f"model.init_args.optim.optimizer={getattr(optim, 'optimizer', None)}")
         optim = getattr(getattr(self, "model", None), "optim", None)
         keys += [f"model.init_args.optim.{f}={getattr(optim, f, None)}" for f in getattr(error, "optim_fields", ())]
+        keys += [f"model.init_args.{f}={getattr(getattr(self, 'model', None), f, None)}"
+                 for f in getattr(error, "module_fields", ())]
         model_config = getattr(getattr(self, "model", None), "model_config", None)
         for field in error.fields:
             keys.append(self._model_key(field, getattr(model_config, field, None)))

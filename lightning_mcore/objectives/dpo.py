@@ -8,7 +8,8 @@ which mcore computes from the vocab-parallel logits without gathering them.
 The reference model's log-probs come from a forward-only pass at the start of every step:
 with LoRA, the same chunks with the adapters switched off (no second copy of the weights);
 without LoRA, a frozen copy of the starting weights sharded like the policy (twice the weight
-memory, no gradients or optimizer state).
+memory, no gradients or optimizer state; `offload_reference` keeps that copy in CPU memory and
+on the GPU only during its forward pass).
 
     sigmoid: loss = -(1-ls) log s(beta m) - ls log s(-beta m),   m = (pc - rc) - (pr - rr)
     ipo:     loss = (m' - 1 / (2 beta))^2  with length-averaged log-probs in m' (as in IPO / trl)
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.cp_reduce import context_parallel_first, context_parallel_sum
 from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
+from lightning_mcore.model.offload import OffloadedWeights, on_device
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.strategy.optimizer import OptimizerSettings
@@ -84,7 +86,10 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float,
 
 
 class DPOModule(MegatronModule):
-    """`beta`, `label_smoothing` (sigmoid only) and `loss_type` ("sigmoid" DPO or "ipo")."""
+    """`beta`, `label_smoothing` (sigmoid only) and `loss_type` ("sigmoid" DPO or "ipo").
+    `offload_reference` (GPU only): the frozen reference (no LoRA) waits in CPU memory and comes
+    to the GPU for its forward pass, one copy of the weights less on the GPU for a host-to-device
+    copy each step."""
 
     packed_sequences = True
     # under context parallelism each rank sums its share of every sequence and the shares are
@@ -100,6 +105,7 @@ class DPOModule(MegatronModule):
         beta: float = 0.1,
         label_smoothing: float = 0.0,
         loss_type: Literal["sigmoid", "ipo"] = "sigmoid",
+        offload_reference: bool = False,
     ) -> None:
         super().__init__(model, optim, model_overrides, lora)
         if beta <= 0:
@@ -108,8 +114,14 @@ class DPOModule(MegatronModule):
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}.")
         if loss_type not in ("sigmoid", "ipo"):
             raise ValueError(f"loss_type must be 'sigmoid' or 'ipo', got {loss_type!r}.")
+        if offload_reference and lora is not None:
+            raise ValueError("offload_reference=True has nothing to offload with lora: the reference "
+                             "is the policy's own base weights with the adapters off, not a copy. "
+                             "Set offload_reference=False.")
         self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
+        self.offload_reference = offload_reference
         self._reference: Optional[list] = None  # frozen chunks (no LoRA); not a submodule
+        self._reference_weights: Optional[OffloadedWeights] = None  # their CPU copy (offload_reference)
 
     def configure_model(self) -> None:
         first = self.chunks is None
@@ -118,6 +130,8 @@ class DPOModule(MegatronModule):
             self._reference = self._build_chunks(self._strategy())
             for chunk in self._reference:
                 chunk.requires_grad_(False).eval()
+            if self.offload_reference:  # _build_chunks has loaded the weights
+                self._reference_weights = OffloadedWeights(self._reference)
 
     # ---------------------------------------------------------------- steps
     def _reference_logps(self, batch: dict) -> torch.Tensor:
@@ -132,7 +146,8 @@ class DPOModule(MegatronModule):
         if self.lora is not None:
             with adapters_disabled(list(self.chunks)):
                 return strategy.forward_collect(batch, step, 2, packed=True)
-        return strategy.forward_collect(batch, step, 2, chunks=self._reference, packed=True)
+        with on_device(self._reference_weights, strategy.root_device):
+            return strategy.forward_collect(batch, step, 2, chunks=self._reference, packed=True)
 
     def forward_step(self, batch: dict, chunk):
         out = forward_packed(chunk, batch)

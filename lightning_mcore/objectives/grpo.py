@@ -17,7 +17,8 @@ data module hands out each batch ``num_iterations`` times, so none is skipped). 
 iteration ``old`` is the current policy's log-probs, detached (ratio 1), as in trl.
 
 The reference (``beta`` > 0) is the LoRA base with adapters off, or a frozen copy of the
-starting weights sharded like the policy, as in DPO; its log-probs are taken once per rollout.
+starting weights sharded like the policy, as in DPO; its log-probs are taken once per rollout
+(``offload_reference``: the copy waits in CPU memory between those passes).
 ``train_on_rollout`` is the seam below generation: a given rollout, one optimizer step.
 """
 
@@ -34,6 +35,7 @@ from lightning_mcore import rewards as reward_lib
 from lightning_mcore.data.packing import build_row
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
+from lightning_mcore.model.offload import OffloadedWeights, on_device
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives import grpo_loss
 from lightning_mcore.objectives.base import MegatronModule
@@ -79,7 +81,8 @@ class GRPOModule(MegatronModule):
     `epsilon_high` (the ratio's clip range, DAPO's clip-higher when they differ);
     `loss_normalization` "token" (DAPO) or "sequence" (GRPO); `scale_advantages` (False: Dr.
     GRPO's advantages, not divided by the group's std); `num_iterations` optimizer steps per
-    rollout."""
+    rollout; `offload_reference` (GPU only): the frozen reference (beta > 0, no LoRA) waits in
+    CPU memory and comes to the GPU for its forward pass, once per rollout."""
 
     packed_sequences = True
 
@@ -100,6 +103,7 @@ class GRPOModule(MegatronModule):
         loss_normalization: str = "token",
         scale_advantages: bool = True,
         num_iterations: int = 1,
+        offload_reference: bool = False,
     ) -> None:
         super().__init__(model, optim, model_overrides, lora)
         if isinstance(reward_funcs, (str, bytes)) or callable(reward_funcs):
@@ -133,12 +137,18 @@ class GRPOModule(MegatronModule):
                              f"got {loss_normalization!r}")
         if not isinstance(num_iterations, int) or num_iterations < 1:
             raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations}")
+        if offload_reference and (beta == 0 or lora is not None):
+            why = ("beta=0 keeps no reference model (no KL term)" if beta == 0 else "with lora the "
+                   "reference is the policy's own base weights with the adapters off, not a copy")
+            raise ValueError(f"offload_reference=True has nothing to offload: {why}. "
+                             "Set offload_reference=False.")
         self.num_generations, self.max_completion_length = num_generations, max_completion_length
         self.sampling = sampling or GRPOSampling()
         self.beta, self.epsilon_low, self.epsilon_high = float(beta), epsilon_low, epsilon_high
         self.loss_normalization, self.scale_advantages = loss_normalization, scale_advantages
-        self.num_iterations = num_iterations
+        self.num_iterations, self.offload_reference = num_iterations, offload_reference
         self._reference: Optional[list] = None  # frozen chunks (beta > 0, no LoRA); not a submodule
+        self._reference_weights: Optional[OffloadedWeights] = None  # their CPU copy (offload_reference)
         self._rollout: Optional[Rollout] = None
 
     # ------------------------------------------------------------ checks before launch
@@ -172,6 +182,8 @@ class GRPOModule(MegatronModule):
             self._reference = self._build_chunks(self._strategy())
             for chunk in self._reference:
                 chunk.requires_grad_(False).eval()
+            if self.offload_reference:  # _build_chunks has loaded the weights
+                self._reference_weights = OffloadedWeights(self._reference)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -278,8 +290,10 @@ class GRPOModule(MegatronModule):
         if reference and self.lora is not None:
             with adapters_disabled(list(self.chunks)):
                 return strategy.forward_collect(inputs, step, seq, packed=True)
-        chunks = self._reference if reference else None
-        return strategy.forward_collect(inputs, step, seq, chunks=chunks, packed=True)
+        if not reference:
+            return strategy.forward_collect(inputs, step, seq, packed=True)
+        with on_device(self._reference_weights, strategy.root_device):
+            return strategy.forward_collect(inputs, step, seq, chunks=self._reference, packed=True)
 
     # ------------------------------------------------------------ loss
     def forward_step(self, batch: dict, chunk):

@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
-from lightning_mcore.strategy.memory import validate_memory
+from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.optimizer import (
     MegatronOptimizer,
@@ -169,6 +169,8 @@ class MegatronStrategy(DDPStrategy):
         self.parallel = resolve_fast_path(self._requested_parallel, not self.on_cpu, optimizer)
         model_config = getattr(module, "model_config", None)
         self.validate(model_config, optimizer, optim if isinstance(optim, OptimizerSettings) else None)
+        validate_reference_offload(getattr(module, "offload_reference", False),
+                                   "cpu" if self.on_cpu else "gpu")
         if getattr(module, "lora", None) is not None and model_config is not None:
             from lightning_mcore.model.lora_checks import check_lora_plan
 

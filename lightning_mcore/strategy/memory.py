@@ -1,7 +1,8 @@
-"""Checks on the memory options, pure: activation recompute and offload (GPTConfig) and optimizer
-offload (OptimizerSettings). The strategy runs them before any process starts, so that a setting
-mcore would refuse inside every rank, index past a stage's layers with, or quietly ignore, ends
-in one error naming the key and the fix."""
+"""Checks on the memory options, pure: activation recompute and offload (GPTConfig), optimizer
+offload (OptimizerSettings) and reference offload (DPO's and GRPO's offload_reference). The
+strategy runs them before any process starts, so that a setting mcore would refuse inside every
+rank, index past a stage's layers with, or quietly ignore, ends in one error naming the key and
+the fix."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ TYPED_EXTRA = {"recompute_granularity": "recompute_granularity",
 
 class MemoryOptionError(LayoutError):
     """A memory option that cannot work with this model, layout, optimizer or device.
-    `optim`: the OptimizerSettings fields involved (the CLI names them)."""
+    `optim`: the OptimizerSettings fields involved, `module`: the module's own arguments
+    (the CLI names them)."""
 
     what = "memory setting"
 
     def __init__(self, message: str, fields: tuple = (), options: tuple = (),
-                 accelerator: bool = False, optim: tuple = ()) -> None:
+                 accelerator: bool = False, optim: tuple = (), module: tuple = ()) -> None:
         super().__init__(message, options=options, fields=fields, accelerator=accelerator)
-        self.optim_fields = tuple(optim)
+        self.optim_fields, self.module_fields = tuple(optim), tuple(module)
 
 
 def validate_memory(parallel: ParallelConfig, model: Optional["GPTConfig"] = None,
@@ -193,3 +195,13 @@ def validate_optimizer_offload(settings: "OptimizerSettings", parallel: Parallel
             "cpu_offload=True needs Transformer Engine installed: mcore runs the offloaded "
             "optimizer on its precision-aware path, which reads TE's version. Install "
             "transformer_engine[pytorch], or set cpu_offload=False.", optim=("cpu_offload",))
+
+
+def validate_reference_offload(offload_reference: bool, accelerator: str) -> None:
+    """DPO's and GRPO's offload_reference keeps the frozen reference in CPU memory between its
+    forward passes: it saves GPU memory, and on accelerator='cpu' there is none to save."""
+    if offload_reference and accelerator == "cpu":
+        raise MemoryOptionError(
+            "offload_reference=True keeps the frozen reference off the GPU between its forward "
+            "passes; on accelerator='cpu' it already is there: set offload_reference=False.",
+            module=("offload_reference",), accelerator=True)
