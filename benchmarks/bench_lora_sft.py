@@ -189,7 +189,7 @@ class Bench(L.Callback):
         print("RESULT " + json.dumps({
             "oom": True, **self.settings, "rank": self.rank, "steps_done": len(self.times),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
-            "host_peak_rss_gb": host_peak_rss_gb(), "error": str(error).splitlines()[0][:300],
+            "host_peak_rss_gb": host_peak_rss_gb(), "error": (str(error).splitlines() or [""])[0][:300],
         }), flush=True)
         sys.stderr.flush()
         os._exit(0 if self.devices == 1 else 1)
