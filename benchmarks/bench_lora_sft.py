@@ -162,8 +162,13 @@ def settings(args, cfg: GPTConfig, devices: int) -> dict:
         "dp": devices // args.cp, "devices": devices,
         "recompute": "full" if args.recompute else "selective" if args.recompute_selective else None,
         "recompute_modules": args.recompute_modules, "optimizer_offload": args.optimizer_offload,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+
+
+def device_name() -> str:
+    """This rank's GPU; asked once Lightning has set the device (before, every rank would make
+    a CUDA context on GPU 0)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 class Bench(L.Callback):
@@ -187,7 +192,7 @@ class Bench(L.Callback):
         if not is_out_of_memory(error):
             return
         print("RESULT " + json.dumps({
-            "oom": True, **self.settings, "rank": self.rank, "steps_done": len(self.times),
+            "oom": True, **self.settings, "device": device_name(), "rank": self.rank, "steps_done": len(self.times),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if torch.cuda.is_available() else None,
             "host_peak_rss_gb": host_peak_rss_gb(), "error": (str(error).splitlines() or [""])[0][:300],
         }), flush=True)
@@ -220,13 +225,14 @@ def main() -> None:
     tokens = args.gbs * args.seq / step / devices  # per GPU: each of the cp ranks holds seq / cp of a row
     peak = PEAK_BF16_TFLOPS * 1e12
     sample = args.seq // args.samples_per_row
+    run_flops = training_flops_per_token(cfg, args.seq, frozen_base=not args.full)
     if rank == 0:
         print("RESULT " + json.dumps({
-            "oom": False, **bench.settings,
+            "oom": False, **bench.settings, "device": device_name(),
             "tokens_per_s_per_gpu": round(tokens), "step_s": round(step, 3),
             "mfu_full_model_flops": round(tokens * flops_per_token(cfg, args.seq) / peak, 3),
             "mfu_sample_attention": round(tokens * flops_per_token(cfg, sample) / peak, 3),
-            "mfu_flops_run": round(tokens * training_flops_per_token(cfg, args.seq, frozen_base=not args.full) / peak, 3),
+            "mfu_flops_run": round(tokens * run_flops / peak, 3),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             # what nvidia-smi shows (less the CUDA context): the allocator's cache included
             "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 1),
