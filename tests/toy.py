@@ -128,24 +128,26 @@ class StopAfter(L.Callback):
 
 def fit_with_checkpoints(tmp: Path, name: str, devices: int, stop: int = None, ckpt_path=None,
                          config=None, checkpoint=None, start_method="fork", accelerator="cpu",
-                         **parallel):
+                         optim: OptimizerSettings | None = None, precision: str = "32-true",
+                         callbacks: tuple = (), **parallel):
     """6 steps of the tiny model on the sample text, checkpoints every 3 steps (+ last.ckpt);
-    returns rank 0's per-step losses."""
+    returns rank 0's per-step losses. `optim`: default Adam at lr 1e-3, 2 warmup steps;
+    `callbacks`: more Lightning callbacks."""
     out = tmp / f"{name}.json"
     callbacks = [RecordLosses(out), ModelCheckpoint(dirpath=tmp / f"{name}-ckpts", every_n_train_steps=3,
-                                                    save_top_k=-1, save_last=True)]
+                                                    save_top_k=-1, save_last=True), *callbacks]
     if stop:
         callbacks.append(StopAfter(stop))
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, max_steps=6, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks, precision=precision,
         strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=2, start_method=start_method,
                                   checkpoint=checkpoint, **parallel),
     )
     data = PretrainDataModule(paths=str(ROOT / "configs/sample_data/sample.txt"),
                               tokenizer=str(ROOT / "configs/sample_data/tokenizer"), seq_length=32,
                               shuffle=True, cache_dir=str(tmp / "cache"))
-    module = PretrainModule(config or tiny_config(vocab_size=512), OptimizerSettings(lr=1e-3, warmup_steps=2))
+    module = PretrainModule(config or tiny_config(vocab_size=512), optim or OptimizerSettings(lr=1e-3, warmup_steps=2))
     trainer.fit(module, data, ckpt_path=ckpt_path)
     if trainer.global_rank != 0:  # launched by torchrun: only rank 0 recorded
         return []

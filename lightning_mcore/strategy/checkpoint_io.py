@@ -94,9 +94,10 @@ def _stubs(optimizer) -> list[bool]:
 def optimizer_sharded_state_dict(optimizer, model_state: dict, is_loading: bool) -> dict:
     """mcore's optimizer sharded state dict; a chain with stubs: its other parts under the
     keys mcore gives them (`chained_<index>.`), the stubs left out."""
+    plain = (lambda state: state) if is_loading else _without_classes
     stubs = _stubs(optimizer)
     if not any(stubs):
-        return optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIM_METADATA)
+        return plain(optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIM_METADATA))
     from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
     out = {}
@@ -104,7 +105,19 @@ def optimizer_sharded_state_dict(optimizer, model_state: dict, is_loading: bool)
         if not stub:
             out[index] = part.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIM_METADATA)
             add_prefix_for_sharding(out[index], f"chained_{index}.")
-    return out
+    return plain(out)
+
+
+def _without_classes(state):
+    """A state to save with no classes in its param groups: mcore's HybridDeviceOptimizer
+    (optimizer cpu_offload) keeps its CPU and GPU optimizer classes there, and mcore reads a
+    checkpoint's plain part back with weights_only=True, which refuses them. The run's own groups
+    keep theirs (MegatronOptimizer.resume puts this run's group settings back after loading)."""
+    if isinstance(state, dict):
+        return {key: [{k: v for k, v in group.items() if not isinstance(v, type)} for group in value]
+                if key == "param_groups" and isinstance(value, list) else _without_classes(value)
+                for key, value in state.items()}
+    return state
 
 
 def load_optimizer_state_dict(optimizer, state: dict) -> None:

@@ -244,7 +244,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
             mine = _group_settings(self.optimizer.param_groups)
             if schedule:
                 self._match_saved_groups(schedule)
-            load_optimizer()
+            self._load_without_moving(load_optimizer)
             saved = _group_settings(self.optimizer.param_groups)
             for group, settings in zip(self.optimizer.param_groups, mine):
                 group.update(settings)
@@ -256,6 +256,17 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self.scheduler.num_steps = 0
             self.scheduler.load_state_dict(schedule)  # position from the checkpoint, values ours
         return changes
+
+    def _load_without_moving(self, load_optimizer: Callable[[], None]) -> None:
+        """mcore's HybridDeviceOptimizer (cpu_offload) allocates its state before loading by an
+        Adam step on random gradients, and copies the result into the model's weights (the
+        checkpoint's, by now). At lr 0 that step changes nothing; the random numbers come from
+        the RNG the checkpoint restored, which is put back. `mine` in resume() restores lr."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            load_optimizer()
 
     def _match_saved_groups(self, schedule: dict) -> None:
         """mcore >= 0.19 pairs the saved param groups with the current ones by their settings,
