@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from lightning_mcore.model import reproducible_attention
 from lightning_mcore.model.inference import forward_logits
 
 
@@ -90,6 +91,8 @@ class CachedForward:
         else:
             self.contexts = [new_context(c, rows, max_length, device) for c in self.chunks]
         self.length = 0  # positions already in the cache
+        # Trainer(deterministic=True): decode steps on TE's unfused attention (reproducible_attention.py)
+        self.reproducible = reproducible_attention.wanted(device)
 
     def __call__(self, columns: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] after appending `columns` [rows, n] (n > 1 only for the first
@@ -101,7 +104,7 @@ class CachedForward:
             raise ValueError("CachedForward: after the prefill, append one column per call.")
         if self.length and self.graphs is not None and not self.graphs.failed:
             try:
-                with _inference_mode():
+                with _inference_mode(), reproducible_attention.unfused_attention(self.reproducible):
                     logits = self.graphs.step(columns, self.length, self.adapters_state)
                 self.length += 1
                 return logits
@@ -129,7 +132,8 @@ class CachedForward:
                 context.enable_decode_mode()
             else:
                 context.enable_prefill_mode()  # a kept context starts a new prefill
-        with _inference_mode():
+        decode = self.length > 0
+        with _inference_mode(), reproducible_attention.unfused_attention(self.reproducible and decode):
             logits = self.strategy.forward_only(micro, step, self.chunks, (n, self.rows),
                                                 (self.rows, vocab))
         self.length += n

@@ -27,7 +27,7 @@ class OffloadedWeights:
                 tensors.setdefault(id(tensor), tensor)
         self._tensors = list(tensors.values())
         pin = torch.cuda.is_available()
-        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t.detach())
+        self._host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin).copy_(t.detach())
                       for t in self._tensors]
         self._assign(self._host)
 
