@@ -136,13 +136,12 @@ class DPOModule(MegatronModule):
     # ---------------------------------------------------------------- steps
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         average = self.loss_type == "ipo"
-
-        rows = self._strategy().batch.micro_batch_size
+        strategy = self._strategy()
+        rows = strategy.batch.micro_batch_size  # of each microbatch (a cp share is one THD row)
 
         def step(mb, chunk):
             return forward_packed(chunk, mb), lambda out: pair_logps(out, mb, average, rows)
 
-        strategy = self._strategy()
         if self.lora is not None:
             with adapters_disabled(list(self.chunks)):
                 return strategy.forward_collect(batch, step, 2, packed=True)
