@@ -435,6 +435,20 @@ class MegatronStrategy(DDPStrategy):
                                  settings.on_nonfinite, lambda: self.lightning_module.trainer.global_step)
 
     # ---------------------------------------------------------------- steps
+    def check_training_rows(self, rows: int) -> None:
+        """A training step takes global_batch_size / data-parallel size rows on every rank: more
+        would train a larger global batch than configured, silently (a DataLoader whose
+        batch_size is the global batch, at DP > 1)."""
+        want = self.data_parallel_batch_size
+        if rows != want:
+            dp = self.data_parallel_size
+            raise ValueError(
+                f"a training batch of {rows} rows on each of the {dp} data-parallel rank(s) would "
+                f"train {rows * dp} rows a step, but global_batch_size="
+                f"{self.batch.global_batch_size}: give each rank global_batch_size / data-parallel "
+                f"size = {want} rows (DataLoader(batch_size={want}); our data modules do)."
+            )
+
     def split_microbatches(self, batch: dict) -> list[dict]:
         rows = next(iter(batch.values())).shape[0]
         if "tokens" in batch:
@@ -466,6 +480,8 @@ class MegatronStrategy(DDPStrategy):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
+        if not forward_only:
+            self.check_training_rows(next(iter(batch.values())).shape[0])
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
         micro = self._context_parallel_slices(self.split_microbatches(batch), packed)
         chunks = list(self.lightning_module.chunks)
