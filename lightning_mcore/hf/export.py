@@ -21,13 +21,15 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from lightning_mcore.hf.export_dir import check_target, staged_dir
-from lightning_mcore.hf.load import chunk_parameters, dims_of, parallel_ranks
+from lightning_mcore.hf.load import chunk_parameters, dims_of, parallel_ranks, size_of
 from lightning_mcore.hf.mappings import Entry, shape_symbols
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
+# A multimodal model's processor (image/video preprocessing) travels with it too.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -126,7 +128,7 @@ def export_hf(
 
     # Who sends what: (key, source rank, HF names, their shapes, dtype) from every rank's items.
     mine = [(key, entry.hf_names(layer, expert),
-             [tuple(symbols[s] for s in shape) for shape in entry.shapes],
+             [tuple(size_of(s, symbols) for s in shape) for shape in entry.shapes],
              str(param.dtype).removeprefix("torch."))
             for key, param, entry, layer, expert in items if _is_sender(entry.expert)]
     everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
@@ -185,7 +187,7 @@ def _write_metadata(directory: Path, hf_config: Optional[dict], source_dir, dtyp
         config = dict(hf_config)
     config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = _DTYPE_NAMES[dtype]
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    copy_files(source, directory, ("generation_config.json",) + TOKENIZER_FILES)
+    copy_files(source, directory, ("generation_config.json",) + TOKENIZER_FILES + PROCESSOR_FILES)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         copy_files(tokenizer_dir, directory, TOKENIZER_FILES)
 

@@ -80,14 +80,19 @@ def named_weights(model):
                 yield name, buffer
 
 
+def size_of(symbol: str, symbols: dict) -> int:
+    """A shape symbol's size; a number stands for itself (a vision encoder's own sizes)."""
+    return int(symbol) if symbol.isdigit() else symbols[symbol]
+
+
 def _check(reader: SafetensorsReader, names, entry: Entry, symbols, dtype) -> None:
     for name, shape in zip(names, entry.shapes):
-        want = tuple(symbols[s] for s in shape)
+        want = tuple(size_of(s, symbols) for s in shape)
         got = reader.shape(name)
         if got != want:
             raise CheckpointError(
                 f"{name} in {reader.files[name].name} has shape {list(got)}, but config.json "
-                f"implies {list(want)} ({' x '.join(_FIELDS[s] for s in shape)}). The checkpoint "
+                f"implies {list(want)} ({' x '.join(_FIELDS.get(s, s) for s in shape)}). The checkpoint "
                 f"and its config disagree."
             )
         want_dtype = entry.dtype or dtype

@@ -28,6 +28,7 @@ from lightning_mcore.model.attention import SDPAttention
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.layer_rope import add_local_rope, with_layer_rope
 from lightning_mcore.model.mla import mla_layer_spec
+from lightning_mcore.model.mrope import use_mrope
 from lightning_mcore.model.norm import RMSNorm
 from lightning_mcore.model.post_norm import with_post_norms
 from lightning_mcore.model.rope import apply_rope_scaling
@@ -112,6 +113,8 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional
             vp_stage=stage,
         )
         apply_rope_scaling(model, cfg)
+        if cfg.mrope is not None:
+            use_mrope(model, cfg)
         if cfg.local_rotary_base is not None:
             add_local_rope(model, cfg)
         if cfg.embedding_scale is not None and model.pre_process:

@@ -32,6 +32,29 @@ class MLAConfig:
 
 
 @dataclass
+class MRoPEConfig:
+    """Multimodal RoPE (Qwen2-VL family): every token has three positions (t, h, w: an image's
+    frame, row and column; text repeats its one position), and each rotary frequency turns by one
+    of them. `section`: how many of the head_dim/2 frequencies follow t, h and w (in order, or
+    alternating t h w t h w ... when `interleaved`, as Qwen3-VL)."""
+
+    section: list[int]
+    interleaved: bool = False
+
+
+@dataclass
+class VisionConfig:
+    """A vision encoder and merger in front of the decoder (first pipeline stage): images become
+    embeddings that replace the `image_token_id` placeholders. The family module builds it from
+    `hf` (config.json's vision_config); `deepstack_layers`: how many of the first decoder layers
+    also add a merged feature of an inner vision layer at the image positions (Qwen3-VL)."""
+
+    hf: dict
+    image_token_id: int
+    deepstack_layers: int = 0
+
+
+@dataclass
 class GPTConfig:
     """Decoder-only transformer: RMSNorm, gated MLP, RoPE, GQA; the defaults are a Llama.
 
@@ -70,6 +93,8 @@ class GPTConfig:
     layer_types: Optional[list[str]] = None
     local_rotary_base: Optional[float] = None  # RoPE base of windowed layers (Gemma 3)
     mla: Optional[MLAConfig] = None  # multi-latent attention instead of GQA
+    mrope: Optional[MRoPEConfig] = None  # 3-D positions (vision-language models)
+    vision: Optional[VisionConfig] = None  # a vision encoder in front of the decoder
     # Mixture of experts (None: dense MLP)
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
@@ -109,6 +134,10 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if isinstance(self.mla, dict):  # from a checkpoint's common.pt or a YAML config
             self.mla = MLAConfig(**self.mla)
+        if isinstance(self.mrope, dict):
+            self.mrope = MRoPEConfig(**self.mrope)
+        if isinstance(self.vision, dict):
+            self.vision = VisionConfig(**self.vision)
 
     @property
     def head_dim(self) -> int:
@@ -220,7 +249,8 @@ def to_transformer_config(
         overlap_p2p_comm=p.virtual_pipeline_model_parallel_size is not None,
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
-        apply_rope_fusion=use_te,
+        # TE's fused RoPE reads positions from cu_seqlens; 3-D positions need mcore's own.
+        apply_rope_fusion=use_te and cfg.mrope is None,
         bias_activation_fusion=use_te and cfg.activation == "silu",  # mcore fuses silu/gelu only
         masked_softmax_fusion=use_te,
         persist_layer_norm=use_te,

@@ -87,6 +87,7 @@ def gpt_config_from_hf(path_or_dict: PathOrDict, seq_length: Optional[int] = Non
         hf = HFConfig(read_config_json(path_or_dict), str(Path(path_or_dict) / "config.json"))
     arch = architecture_of(hf)
     fields = arch.gpt_config(hf)
+    hf = arch.text(hf)
     longest = hf["max_position_embeddings"]
     seq_length = seq_length or min(longest, DEFAULT_SEQ_LENGTH_CAP)
     if seq_length > longest:
@@ -209,6 +210,11 @@ def sequence_classifier(cfg: GPTConfig, family: Optional[str]) -> str:
             f"no ...ForSequenceClassification layout is declared for it; supported families: "
             f"{supported}.")
     return arch.seq_cls_class
+
+
+def vision_encoder(cfg: GPTConfig, family: Optional[str]):
+    """The vision encoder + merger module of a vision-language model (its family builds it)."""
+    return _family(cfg, family).vision_encoder(cfg)
 
 
 def is_sequence_classifier(path: Union[str, os.PathLike]) -> bool:

@@ -82,7 +82,15 @@ class Architecture:
         raise NotImplementedError
 
     def missing(self, hf: HFConfig) -> list[str]:
-        return [f for f in COMMON_FIELDS + self.required if f not in hf]
+        return [f for f in COMMON_FIELDS + self.required if f not in self.text(hf)]
+
+    def text(self, hf: HFConfig) -> HFConfig:
+        """The part of config.json that describes the decoder (a vision-language model nests it)."""
+        return hf
+
+    def vision_encoder(self, cfg: GPTConfig):
+        """The vision encoder + merger module of a vision-language `cfg` (transformers' own)."""
+        raise HFCheckpointError(f"{self.hf_class} has no vision encoder.")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.hf_class})"

@@ -15,6 +15,7 @@ Sharding at a glance (tensor-parallel dim, stated by each transform in hf/transf
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Optional, Union
 
@@ -151,7 +152,7 @@ def sparse_layers(hf: HFConfig) -> Union[int, list[int]]:
 VARIANT_FIELDS = (
     "add_qkv_bias", "qk_layernorm", "activation", "zero_centered_norm", "post_norms",
     "embedding_scale", "softmax_scale", "sliding_window", "layer_types", "local_rotary_base",
-    "mla", "num_moe_experts", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+    "mla", "mrope", "vision", "num_moe_experts", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
 )
@@ -290,3 +291,17 @@ def shared_expert(hf: str = H + "mlp.shared_expert.",
     if gate:
         out.append(Entry(M + "mlp.shared_experts.gate_weight", (gate,), Replicated(), (("1", "h"),)))
     return out
+
+
+def renamed(entries: list[Entry], old: str, new: str) -> list[Entry]:
+    """The table with each HF name that starts with `old` starting with `new` instead (a decoder
+    nested in a bigger model: "model." -> "model.language_model.")."""
+    return [dataclasses.replace(e, hf=tuple(new + n[len(old):] if n.startswith(old) else n
+                                            for n in e.hf)) for e in entries]
+
+
+def module_entries(module, mcore: str, hf: str) -> list[Entry]:
+    """One-to-one, replicated entries for every parameter of a module kept as transformers
+    builds it (a vision encoder): mcore `<mcore><name>` <-> HF `<hf><name>`, shapes as numbers."""
+    return [Entry(mcore + name, (hf + name,), Replicated(), (tuple(str(d) for d in p.shape),))
+            for name, p in module.named_parameters()]

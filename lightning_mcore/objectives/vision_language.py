@@ -1,0 +1,76 @@
+"""Supervised fine-tuning of a vision-language model (Qwen2.5-VL, Qwen3-VL): SFT's assistant-only
+loss over packed rows, with images through the vision encoder on the first pipeline stage
+(model/vision.py). Batches come from VisionLanguageDataModule (data/multimodal.py).
+
+`freeze` keeps parts bitwise unchanged as users of these models know them: the vision encoder
+(`vit`), its merger into the decoder's width (`aligner`), the decoder (`llm`), any mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional, Union
+
+from lightning_mcore import models
+from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.model import vision
+from lightning_mcore.objectives.loss import masked_token_loss
+from lightning_mcore.objectives.sft import SFTModule
+from lightning_mcore.strategy.optimizer import OptimizerSettings
+
+
+@dataclass
+class Freezing:
+    vit: bool = False  # the vision encoder's patch embedding and blocks
+    aligner: bool = False  # the merger(s) from vision features to decoder inputs
+    llm: bool = False  # the decoder: embeddings, layers, final norm, output layer
+
+
+class VisionLanguageSFTModule(SFTModule):
+    # the images of a row are not split over context-parallel ranks
+    packed_context_parallel = False
+
+    def __init__(self, model: Union[GPTConfig, str], optim: Optional[OptimizerSettings] = None,
+                 model_overrides: Optional[dict] = None, lora: Optional[LoRAConfig] = None,
+                 freeze: Optional[Freezing] = None) -> None:
+        super().__init__(model, optim, model_overrides, lora)
+        cfg = self.model_config
+        if cfg.vision is None:
+            raise ValueError(f"{model}: VisionLanguageSFTModule takes a vision-language model "
+                             f"(e.g. Qwen2.5-VL, Qwen3-VL); this one has no vision encoder.")
+        if cfg.vision.deepstack_layers and cfg.recompute_granularity == "full":
+            raise ValueError(
+                "model_overrides.recompute_granularity='full' is not supported with a deepstack "
+                "vision encoder (its features enter the first decoder layers, which a full "
+                "recompute would run without them); use 'selective' or None.")
+        self.freeze = freeze or Freezing()
+
+    def _adapt_chunks(self, chunks: list) -> None:
+        cfg = self.model_config
+        for chunk in chunks:
+            if chunk.pre_process:
+                encoder = models.vision_encoder(cfg, self.hf_family).to(dtype=chunk.config.params_dtype)
+                vision.attach_vision_encoder(chunk, encoder, cfg.vision.deepstack_layers)
+
+    def configure_model(self) -> None:
+        if self.chunks is not None:
+            return
+        super().configure_model()
+        f = self.freeze
+        vision.freeze_parts(self.chunks, vit=f.vit, aligner=f.aligner, llm=f.llm)
+
+    def forward_step(self, batch: dict, chunk):
+        token_losses = vision.forward_vision_language(chunk, batch, self.model_config.vision.image_token_id)
+        return token_losses, partial(masked_token_loss, loss_mask=batch["loss_mask"])
+
+    def predict_step(self, batch: dict, batch_idx: int):
+        """Full-vocabulary logits [rows, seq, vocab] of a vision-language batch (every rank)."""
+        return vision.forward_logits(self._strategy(), self.chunks, batch, self.model_config)
+
+    def generate(self, *args, **kwargs):
+        raise NotImplementedError("text generation from a vision-language module is not supported yet; "
+                                  "use transformers on the exported model.")
+
+    generate_batch = generate
