@@ -49,9 +49,9 @@ def test_logits_and_export(family, layout, tmp_path):
     source = tmp_path / "source"
     hf = make_vlm(family, source)
     gen = torch.Generator().manual_seed(1)
-    p = 2 if family == "qwen2_5_vl" else 2  # grid units of patches: multiples of the merge size
-    one = sample(hf, [[1, 2 * p, 2 * p]], SEQ, gen)
-    two = sample(hf, [[1, 2 * p, 2 * p], [1, 4, 2 * p + 2]], SEQ, gen)
+    # grids in patches (multiples of the merge size 2); Qwen2.5-VL's windows are 2x2 merged tokens
+    one = sample(hf, [[1, 4, 4]], SEQ, gen)
+    two = sample(hf, [[1, 4, 4], [1, 4, 6]], SEQ, gen)
     three = sample(hf, [[1, 2, 2], [1, 2, 4], [1, 4, 2]], SEQ, gen)
     half_a, half_b = sample(hf, [[1, 2, 4]], SEQ // 2, gen), sample(hf, [[1, 4, 2], [1, 2, 2]], SEQ // 2, gen)
     rows = [[one], [two], [three], [half_a, half_b]]

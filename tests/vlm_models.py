@@ -47,7 +47,6 @@ def sample(model, grids: list, length: int, gen: torch.Generator) -> dict:
     """One sample of exactly `length` tokens: random text around each image's
     <vision_start> <image_pad> x n <vision_end>, and the images' random patches."""
     c, merge = model.config, model.config.vision_config.spatial_merge_size
-    image = [c.vision_start_token_id] * 0
     parts = []
     for t, h, w in grids:
         parts.append([c.vision_start_token_id] + [c.image_token_id] * (t * h * w // merge ** 2)
@@ -59,7 +58,6 @@ def sample(model, grids: list, length: int, gen: torch.Generator) -> dict:
     ids = text[:cut]
     for i, p in enumerate(parts):
         ids += p + text[cut * (i + 1): cut * (i + 2)] if i < len(parts) - 1 else p + text[cut * (i + 1):]
-    image += []
     patches = sum(t * h * w for t, h, w in grids)
     return dict(ids=torch.tensor(ids), grids=torch.tensor(grids),
                 pixels=torch.randn(patches, patch_dim(model), generator=gen))
