@@ -15,6 +15,7 @@ from lightning_mcore.objectives.kto import KTOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
 from lightning_mcore.objectives.reward import RewardModule
 from lightning_mcore.objectives.sft import SFTModule
+from lightning_mcore.objectives.vision_language import Freezing, VisionLanguageSFTModule
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.megatron import MegatronStrategy
 from lightning_mcore.strategy.optimizer import OptimizerSettings
@@ -26,6 +27,7 @@ __all__ = [
     "DistillModule",
     "DistillSettings",
     "DPOModule",
+    "Freezing",
     "GPTConfig",
     "GRPOModule",
     "GRPOSampling",
@@ -41,5 +43,6 @@ __all__ = [
     "PretrainModule",
     "RewardModule",
     "SFTModule",
+    "VisionLanguageSFTModule",
 ]
 __version__ = "0.1.0"
