@@ -22,8 +22,12 @@ import contextlib
 
 import torch
 
-from lightning_mcore.hf.load import unwrap
 from lightning_mcore.model.packing import packed_seq_params_for
+
+
+def unwrap(chunk):
+    """The GPTModel inside an mcore DDP wrapper (or the chunk itself)."""
+    return getattr(chunk, "module", chunk)
 
 
 def attach_vision_encoder(model, encoder: torch.nn.Module, deepstack_layers: int) -> None:
