@@ -69,9 +69,12 @@ class VisionLanguage(Architecture):
         return text + parts.module_entries(encoder, "visual.", self.vision_prefix)
 
     def vision_encoder(self, cfg: GPTConfig) -> torch.nn.Module:
-        import transformers
+        import importlib
 
         if cfg.vision is None:
             raise HFCheckpointError(f"{self.hf_class}: the model config has no vision encoder.")
-        config = getattr(transformers, self.vision_config_class)(**cfg.vision.hf)
-        return getattr(transformers, self.vision_class)._from_config(config)
+        # from the family's modeling module: not every transformers 5 exports the encoder's class
+        module = importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
+        config = importlib.import_module(f"transformers.models.{self.model_type}.configuration_{self.model_type}")
+        encoder = getattr(module, self.vision_class)
+        return encoder._from_config(getattr(config, self.vision_config_class)(**cfg.vision.hf))
