@@ -137,6 +137,24 @@ def test_sample_equals_processor_of_rendered_chat(tmp_path, family):
     assert len({tuple(g) for g in row["image_grid_thw"].tolist()}) == 2  # order matters here
 
 
+def test_parquet_parts_are_structs_with_nulls(tmp_path):
+    """In parquet, Arrow stores the parts as structs whose absent fields are null (a text part
+    gets "image": None): those must not read as images."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    record = chat(["red.png"], "red")
+    record["messages"][1]["content"] = [{"type": "text", "text": "red"}]
+    path = Path(write_data(tmp_path, [])).with_suffix(".parquet")
+    pq.write_table(pa.Table.from_pylist([record] * 2), path)
+    dm = make(tmp_path, "qwen2_5_vl", paths=str(path), packing=False)
+    assert dm.stats["dropped"] == {} and dm.stats["train"]["images"] == 2
+    tok = AutoTokenizer.from_pretrained(MODELS["qwen2_5_vl"])
+    row = dm.train_dataset[0]
+    assert int((row["tokens"] == 523).sum()) == 4
+    assert tok.decode(row["labels"][row["loss_mask"] > 0]) == "red<|im_end|>\n"
+
+
 def test_packed_rows_equal_one_sample_per_row(tmp_path):
     packed = make(tmp_path, seq_length=128)
     single = make(tmp_path, seq_length=128, packing=False)

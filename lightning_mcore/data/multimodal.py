@@ -102,7 +102,7 @@ class VisionLanguageRows(Dataset):
 
     def __init__(self, processed: Any, rows: list[list[int]], seq_length: int, pad_id: int,
                  processor: VisionProcessor):
-        self.processed = processed.select_columns(self.COLUMNS)
+        self.processed = processed.select_columns(self.COLUMNS).with_format("numpy")
         self.rows, self.seq_length, self.pad_id = rows, seq_length, pad_id
         self.image_token_id, self.merge_size = processor.image_token_id, processor.merge_size
         self.patch_dim = processor.patch_dim
@@ -116,7 +116,7 @@ class VisionLanguageRows(Dataset):
         row = build_row(
             [(i, m[:cut]) for i, m in zip(ids, got["assistant_mask"])], cut, self.pad_id
         )
-        grids = [np.asarray(g, dtype=np.int64).reshape(-1, 3) for g in got["image_grid_thw"]]
+        grids = [_grid(g) for g in got["image_grid_thw"]]
         positions, start = torch.zeros((3, cut), dtype=torch.int64), 0
         for sample_ids, sample_grids in zip(ids, grids):
             found = mrope_positions(sample_ids, sample_grids, self.image_token_id, self.merge_size)
@@ -141,6 +141,11 @@ class VisionLanguageRows(Dataset):
             "pixel_values": torch.from_numpy(pixels),
             "image_grid_thw": torch.from_numpy(grid),
         }
+
+
+def _grid(grids: Any) -> np.ndarray:
+    """A sample's grids as [images, 3] (the numpy format nests ragged lists in object arrays)."""
+    return np.asarray([np.asarray(g) for g in grids], dtype=np.int64).reshape(-1, 3)
 
 
 def collate_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -323,13 +328,18 @@ def read_messages(chat: ChatFormat, record: dict, where: str) -> tuple[list[dict
     contents, images, views = [], [], []
     for number, message in enumerate(messages):
         content = message.get(chat.names["content"]) if isinstance(message, dict) else None
-        if isinstance(content, list):
+        if isinstance(content, list):  # Arrow gives every part every key: drop the nulls
+            content = [_no_nulls(part) for part in content]
             images += _check_parts(content, f"{where}, message {number}")
             message = {**message, chat.names["content"]: _text(content)}
         contents.append(content)
         views.append(message)
     turns = chat.read_messages(views, where)
     return [{"role": t["role"], "content": c} for t, c in zip(turns, contents)], images
+
+
+def _no_nulls(part: Any) -> Any:
+    return {k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
 
 
 def _check_parts(parts: list, at: str) -> list[str]:
