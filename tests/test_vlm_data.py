@@ -199,7 +199,7 @@ def test_batches_pad_patches_and_grids(tmp_path):
 
 def test_max_image_tokens_resizes_like_the_image_processor(tmp_path):
     dm = make(tmp_path, "qwen2_5_vl", write_data(tmp_path, [chat(["red_tall.png"], "red")]),
-              images={"max_image_tokens": 4}, seq_length=256)
+              images=ImageOptions(max_image_tokens=4), seq_length=256)
     row = dm.train_dataset[0]
     reference = AutoImageProcessor.from_pretrained(
         MODELS["qwen2_5_vl"], min_pixels=4 * 28 * 28, max_pixels=4 * 28 * 28

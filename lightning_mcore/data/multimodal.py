@@ -25,7 +25,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -408,8 +408,8 @@ def _process_batch(batch: dict, indices: list, processor: VisionProcessor, chat:
 
 def _empty(reason: str, problem: str = "") -> dict:
     return dict(input_ids=[], assistant_mask=[], length=0, first_loss=0, dropped=reason,
-                problem=problem, pixel_values=np.zeros(0, np.float32), image_grid_thw=[], image_end=0,
-                largest_image=0)
+                problem=problem, pixel_values=np.zeros(0, np.float32), image_grid_thw=[],
+                image_end=0, largest_image=0)
 
 
 def process_sample(record: dict, index: int, file: str, processor: VisionProcessor,
