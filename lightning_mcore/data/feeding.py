@@ -66,6 +66,8 @@ class DataParallelDataModule(L.LightningDataModule):
     val_dataset: Optional[Dataset] = None
     _resume = (0, 0)  # (consumed_samples, global_step) restored from a checkpoint
     _tokenizer: Any = None
+    # Joins a batch's rows (None: torch's default, which stacks equal-shaped tensors).
+    collate_fn: Optional[Callable[[list], Any]] = None
 
     @property
     def tokenizer(self) -> Any:
@@ -115,6 +117,7 @@ class DataParallelDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=self.hparams.num_workers,
             pin_memory=torch.cuda.is_available(),
+            collate_fn=type(self).collate_fn,
             position=position,
         )
 
