@@ -118,10 +118,12 @@ def export_checkpoint(
         checkpoint_io.load_model(checkpoint, chunks)
         refuse_nonfinite_weights(chunks, "cpu", f"the HF export {output}")
         if mode == "peft":
-            export_peft(chunks, saved.config, weights, lora, output,
+            peft_weights, scope = models.peft_weights(saved.config, saved.hf_family)
+            export_peft(chunks, saved.config, peft_weights, lora, output,
                         base_model=saved.hf_path, overwrite=overwrite, protected=protected,
                         tokenizer_dir=source or saved.tokenizer_path,
-                        fused_experts=models.peft_experts(saved.config, saved.hf_family), experts=layout)
+                        fused_experts=models.peft_experts(saved.config, saved.hf_family), experts=layout,
+                        scope=scope)
         else:
             set_merged(chunks, True)
             export_hf(chunks, saved.config, weights,

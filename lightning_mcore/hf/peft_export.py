@@ -133,16 +133,25 @@ def fuse_experts(tensors: dict, layout: FusedExperts, num_experts: int) -> tuple
     return out, sorted(".".join(module) + "." + p for p, _ in targeted)
 
 
+def scoped_targets(scope: str, names: list[str]) -> str:
+    """peft's regex form of target_modules (full match on a module path): `names` under `scope`,
+    e.g. model\\.language_model\\..*\\.(?:q_proj|v_proj)."""
+    return re.escape(scope) + r".*\.(?:" + "|".join(re.escape(n) for n in names) + ")"
+
+
 def export_peft(chunks, cfg, weights: list[Entry], lora, out_dir, base_model: Optional[str] = None,
                 overwrite: bool = False, protected: Iterable = (),
                 tokenizer_dir=None, fused_experts: Optional[FusedExperts] = None,
-                experts: str = "fused") -> Optional[Path]:
+                experts: str = "fused", scope: Optional[str] = None) -> Optional[Path]:
     """Collective: every rank sends its stage's adapters to rank 0, which writes the directory
     under a temporary name and renames it when complete. `out_dir` must be new or empty, or
     (with `overwrite`) an earlier export, and not hold or sit inside `base_model`/`protected`.
     The tokenizer files of `tokenizer_dir` (or of `base_model`) are copied along. Expert
     adapters: `experts="fused"` in `fused_experts`' layout (what peft loads on transformers 5),
-    or "per_expert" (per-expert linears, as vLLM's MoE LoRA loader names them)."""
+    or "per_expert" (per-expert linears, as vLLM's MoE LoRA loader names them). `scope` (the
+    decoder's module path beside a vision encoder, e.g. "model.language_model."): target_modules
+    is then a regex that matches the adapted linears under it only (a vision block's
+    mlp.gate_proj must stay untouched)."""
     from megatron.core import parallel_state as ps
     from peft import LoraConfig
     from safetensors.torch import save_file
@@ -173,10 +182,11 @@ def export_peft(chunks, cfg, weights: list[Entry], lora, out_dir, base_model: Op
         fused = set(tensors) - before
     # PEFT matches modules by the last part of their HF name (q_proj, ...; the family's names).
     hf_targets = sorted({name.rsplit(".", 3)[-3] for name in tensors if name not in fused})
+    targets = scoped_targets(scope, hf_targets) if scope and hf_targets else (hf_targets or None)
     with staged_dir(out_dir, {"format": "peft"}) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                   use_rslora=lora.use_rslora, target_modules=hf_targets or None,
+                   use_rslora=lora.use_rslora, target_modules=targets,
                    target_parameters=target_parameters, task_type="CAUSAL_LM",
                    base_model_name_or_path=str(base_model) if base_model else None).save_pretrained(tmp)
         copy_files(tokenizer_dir or base_model, tmp, TOKENIZER_FILES)

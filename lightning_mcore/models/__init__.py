@@ -132,6 +132,13 @@ def weights(cfg: GPTConfig, family: Optional[str]) -> list[Entry]:
     return _family(cfg, family).weights(cfg)
 
 
+def peft_weights(cfg: GPTConfig, family: Optional[str]) -> tuple[list[Entry], Optional[str]]:
+    """(the weight table under transformers' in-memory module paths, which PEFT adapter names
+    follow; the decoder's path when PEFT targets must match under it only, else None)."""
+    arch = _family(cfg, family)
+    return arch.peft_weights(cfg), arch.peft_decoder
+
+
 def export_config(cfg: GPTConfig, family: Optional[str], source_dir=None) -> Optional[dict]:
     """The config.json an export writes: None when `source_dir` (the HF directory the model
     came from) has one, which is copied instead."""

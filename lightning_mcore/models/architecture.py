@@ -67,6 +67,11 @@ class Architecture:
     # exports as. None: reward models of this family are not supported. Declare it in each
     # family's own class (a subclass would otherwise inherit its base family's name).
     seq_cls_class: Optional[str] = None
+    # Where transformers' in-memory model holds the decoder when that differs from the
+    # checkpoint's layout or other modules there share the decoder linears' names (a vision
+    # encoder): a PEFT adapter is keyed by in-memory module paths (peft renames nothing on load)
+    # and its target_modules must then match under this path only. None: the checkpoint's names.
+    peft_decoder: Optional[str] = None
 
     def gpt_config(self, hf: HFConfig) -> dict:
         """GPTConfig fields for this config.json (seq_length aside); refuse with hf.refuse."""
@@ -80,6 +85,10 @@ class Architecture:
     def weights(self, cfg: GPTConfig) -> list[Entry]:
         """The weight table for `cfg`: every mcore parameter and the HF tensors it is made of."""
         raise NotImplementedError
+
+    def peft_weights(self, cfg: GPTConfig) -> list[Entry]:
+        """The weight table under transformers' in-memory module paths (PEFT adapter names)."""
+        return self.weights(cfg)
 
     def missing(self, hf: HFConfig) -> list[str]:
         return [f for f in COMMON_FIELDS + self.required if f not in self.text(hf)]

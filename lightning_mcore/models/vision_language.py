@@ -24,6 +24,9 @@ class VisionLanguage(Architecture):
     vision_config_class = ""  # and of its config
     text_prefix = "model."  # where the decoder's tensors sit in the checkpoint
     vision_prefix = "visual."  # and the vision encoder's
+    # transformers 5 holds the decoder here in memory, whatever the checkpoint's layout (it
+    # renames Qwen2.5-VL's `model.layers.*` on load); PEFT adapters are keyed by it
+    peft_decoder = "model.language_model."
 
     def normalized(self, hf: HFConfig) -> dict:
         """config.json in transformers 5's layout (text_config, vision_config), converted by
@@ -67,6 +70,10 @@ class VisionLanguage(Architecture):
         with torch.device("meta"):
             encoder = self.vision_encoder(cfg)
         return text + parts.module_entries(encoder, "visual.", self.vision_prefix)
+
+    def peft_weights(self, cfg: GPTConfig):
+        """The decoder's table under `peft_decoder` (adapters are on decoder linears only)."""
+        return parts.renamed(self.text_family.weights(cfg), "model.", self.peft_decoder)
 
     def vision_encoder(self, cfg: GPTConfig) -> torch.nn.Module:
         import importlib

@@ -158,11 +158,12 @@ class MegatronModule(L.LightningModule):
         if mode == "peft":
             from lightning_mcore.hf.peft_export import export_peft
 
-            return export_peft(chunks, self.model_config, self._weights(), self.lora, directory,
+            weights, scope = models.peft_weights(self.model_config, self.hf_family)
+            return export_peft(chunks, self.model_config, weights, self.lora, directory,
                                base_model=self.hf_path, overwrite=overwrite, protected=protected,
                                tokenizer_dir=self.tokenizer_path,
                                fused_experts=models.peft_experts(self.model_config, self.hf_family),
-                               experts=layout)
+                               experts=layout, scope=scope)
         set_merged(chunks, True)
         try:
             return export_hf(chunks, self.model_config, self._weights(),

@@ -3,7 +3,13 @@ loss over packed rows, with images through the vision encoder on the first pipel
 (model/vision.py). Batches come from VisionLanguageDataModule (data/multimodal.py).
 
 `freeze` keeps parts bitwise unchanged as users of these models know them: the vision encoder
-(`vit`), its merger into the decoder's width (`aligner`), the decoder (`llm`), any mix.
+(`vit`), its merger into the decoder's width (`aligner`), the decoder (`llm`), any mix but all
+three (nothing would train).
+
+`lora` adapts the decoder's linears as for a text model and keeps every base weight frozen, the
+vision encoder and merger included: a LoRA checkpoint and a PEFT adapter hold the adapters only,
+so a vision encoder trained beside them would be lost. `freeze` chooses what full fine-tuning
+trains and is refused with `lora` (leave it unset).
 """
 
 from __future__ import annotations
@@ -45,7 +51,16 @@ class VisionLanguageSFTModule(SFTModule):
                 "model_overrides.recompute_granularity='full' is not supported with a deepstack "
                 "vision encoder (its features enter the first decoder layers, which a full "
                 "recompute would run without them); use 'selective' or None.")
+        if lora is not None and freeze is not None:
+            raise ValueError(
+                f"freeze={freeze} with lora: LoRA adapts the decoder's linears and keeps every base "
+                f"weight frozen, the vision encoder and merger included (its checkpoints and PEFT "
+                f"adapters hold the adapters only); leave freeze unset, or train without lora.")
         self.freeze = freeze or Freezing()
+        if self.freeze.vit and self.freeze.aligner and self.freeze.llm:
+            raise ValueError(
+                "freeze=Freezing(vit=True, aligner=True, llm=True) leaves nothing to train; "
+                "unfreeze a part, or use lora to train adapters on the decoder.")
 
     def _adapt_chunks(self, chunks: list) -> None:
         cfg = self.model_config
