@@ -110,6 +110,8 @@ def export_checkpoint(
         tf_config = to_transformer_config(saved.config, ParallelConfig(), saved.dtype,
                                           on_cpu=True, use_te=False)
         chunks = build_chunks(saved.config, tf_config, use_te=False, padded_vocab=saved.padded_vocab_size)
+        # a vision-language model's encoder sits beside the decoder (its weights are in the table)
+        models.attach_vision_encoders(chunks, saved.config, saved.hf_family)
         if saved.head == "score":
             reward.attach_score_heads(chunks)
         if saved.lora:

@@ -5,6 +5,8 @@ merge_and_unload. Freezing keeps exactly the chosen parts bitwise unchanged. A f
 resumed from its step-2 checkpoint (vision encoder included) continues with the same losses."""
 
 import json
+import subprocess
+import sys
 
 import lightning as L
 import pytest
@@ -95,8 +97,8 @@ def test_lora_peft_export_loads_in_peft_with_our_logits(family, layout, tmp_path
     probes = [sample(hf, [[1, 4, 4]], SEQ, gen), sample(hf, [[1, 2, 4], [1, 4, 2]], SEQ, gen)]
     lora = LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0)
     trainer = trainer_for(tmp_path, layout, 3, [LogitsAndExports(tmp_path, batch(hf, [[p] for p in probes]),
-                                                                 ("peft", "merged", "full"))],
-                          enable_checkpointing=False)
+                                                                 ("peft", "merged", "full")),
+                                                ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3)])
     trainer.fit(VisionLanguageSFTModule(str(source), OPTIM, lora=lora),
                 DataLoader(Rows(training_rows(hf, 1)), batch_size=2))
     ours = torch.load(tmp_path / "logits.pt")
@@ -126,6 +128,19 @@ def test_lora_peft_export_loads_in_peft_with_our_logits(family, layout, tmp_path
         if "visual." in name:  # the vision encoder is frozen and exported bit for bit
             assert torch.equal(written[name], tensor), name
         assert torch.equal(tensors(tmp_path / "full")[name], written[name]), name
+    if layout == "tp1":  # the export command rebuilds base, vision encoder and adapters alike
+        saved, = (tmp_path / "ckpt").glob("*step=3.ckpt")
+        for mode in ("peft", "merged"):
+            assert_command_export_equals(saved, tmp_path / mode, mode)
+
+
+def assert_command_export_equals(checkpoint, directory, mode: str) -> None:
+    """`lightning-mcore export` of `checkpoint` writes the tensors of `directory` bit for bit."""
+    out = directory.with_name(f"cmd-{mode}")
+    subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint", str(checkpoint),
+                    "--output", str(out), "--mode", mode], check=True)
+    a, b = tensors(directory), tensors(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (mode, sorted(a)[:3], sorted(b)[:3])
 
 
 PARTS = ("vit", "aligner", "llm")
@@ -187,9 +202,11 @@ def test_freezing_everything_or_with_lora_is_refused(tmp_path):
 
 def fit_full(tmp_path, source, hf, name: str, stop=None, ckpt_path=None) -> list:
     """Four full fine-tuning steps on the same two rows (one step an epoch), checkpoints every
-    2 steps; rank 0's losses."""
+    2 steps, an HF export at the end (`name`/full); rank 0's losses."""
     callbacks = [RecordLosses(tmp_path / f"{name}.json"),
-                 ModelCheckpoint(dirpath=tmp_path / f"{name}-ckpts", every_n_train_steps=2, save_top_k=-1)]
+                 ModelCheckpoint(dirpath=tmp_path / f"{name}-ckpts", every_n_train_steps=2, save_top_k=-1),
+                 LogitsAndExports(tmp_path / name, training_rows(hf, 2), ("full",))]
+    (tmp_path / name).mkdir()
     if stop:
         callbacks.append(StopAfter(stop))
     trainer = trainer_for(tmp_path, "tp1", 4, callbacks)
@@ -214,3 +231,8 @@ def test_resume_restores_the_vision_encoder(tmp_path):
     assert len(resumed) == 2
     for got, want in zip(resumed, straight[2:]):
         assert abs(got - want) <= 1e-6 * abs(want), (resumed, straight)
+    original, trained = tensors(source), tensors(tmp_path / "straight" / "full")
+    assert trained.keys() == original.keys()
+    assert all(not torch.equal(trained[k], original[k]) for k in original if k.startswith("visual."))
+    last, = (tmp_path / "straight-ckpts").glob("*step=4.ckpt")
+    assert_command_export_equals(last, tmp_path / "straight" / "full", "merged")

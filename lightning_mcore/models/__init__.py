@@ -224,6 +224,19 @@ def vision_encoder(cfg: GPTConfig, family: Optional[str]):
     return _family(cfg, family).vision_encoder(cfg)
 
 
+def attach_vision_encoders(chunks, cfg: GPTConfig, family: Optional[str]) -> None:
+    """Give each first-stage chunk of a vision-language model its vision encoder (in the chunk's
+    dtype, before weights go in) and deepstack hooks (model/vision.py); a text model: nothing."""
+    if cfg.vision is None:
+        return
+    from lightning_mcore.model.vision import attach_vision_encoder
+
+    for chunk in chunks:
+        if chunk.pre_process:
+            encoder = vision_encoder(cfg, family).to(dtype=chunk.config.params_dtype)
+            attach_vision_encoder(chunk, encoder, cfg.vision.deepstack_layers)
+
+
 def is_sequence_classifier(path: Union[str, os.PathLike]) -> bool:
     """Whether the HF directory holds a scalar-head model (architectures[0] a declared
     ...ForSequenceClassification) rather than a causal LM."""

@@ -63,11 +63,7 @@ class VisionLanguageSFTModule(SFTModule):
                 "unfreeze a part, or use lora to train adapters on the decoder.")
 
     def _adapt_chunks(self, chunks: list) -> None:
-        cfg = self.model_config
-        for chunk in chunks:
-            if chunk.pre_process:
-                encoder = models.vision_encoder(cfg, self.hf_family).to(dtype=chunk.config.params_dtype)
-                vision.attach_vision_encoder(chunk, encoder, cfg.vision.deepstack_layers)
+        models.attach_vision_encoders(chunks, self.model_config, self.hf_family)
 
     def configure_model(self) -> None:
         if self.chunks is not None:
