@@ -114,8 +114,6 @@ def export_checkpoint(
         models.attach_vision_encoders(chunks, saved.config, saved.hf_family)
         if saved.head == "score":
             reward.attach_score_heads(chunks)
-        if saved.config.vision is not None:  # the encoder is part of the checkpoint and export
-            _attach_vision_encoder(chunks, saved)
         if saved.lora:
             _load_base(chunks, saved, base, weights)
             apply_lora(chunks, lora, seed=0)
@@ -136,19 +134,6 @@ def export_checkpoint(
                       source_dir=source, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                       tokenizer_dir=saved.tokenizer_path, protected=protected)
     return Path(output).expanduser().resolve()
-
-
-def _attach_vision_encoder(chunks, saved) -> None:
-    """The first stage's vision encoder, as VisionLanguageSFTModule attaches it (without it the
-    checkpoint's `visual.*` weights would not be read nor written)."""
-    from lightning_mcore import models
-    from lightning_mcore.model import vision
-
-    for chunk in chunks:
-        if chunk.pre_process:
-            encoder = models.vision_encoder(saved.config, saved.hf_family)
-            vision.attach_vision_encoder(chunk, encoder.to(dtype=chunk.config.params_dtype),
-                                         saved.config.vision.deepstack_layers)
 
 
 def _load_base(chunks, saved, base, weights) -> None:
