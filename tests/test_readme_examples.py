@@ -99,3 +99,23 @@ def test_readme_family_file_is_the_real_one():
     shown = [b for b in code_blocks(section("Hugging Face checkpoints"), "python") if "ARCHITECTURE" in b]
     assert shown == [(ROOT / "lightning_mcore" / "models" / "seed_oss.py").read_text()]
     assert models.ARCHITECTURES["SeedOssForCausalLM"].model_type == "seed_oss"
+
+
+def test_readme_vision_language_commands(tmp_path):
+    """The vision-language fit and export commands: the loss falls, and the export is a
+    transformers Qwen2.5-VL directory with the trained vision encoder and the processor files."""
+    from safetensors import safe_open
+
+    fit, export = commands(section("Vision-language models (Qwen2.5-VL, Qwen3-VL)"))
+    work = user_dir(tmp_path)
+    run(fit, work)
+    losses = logged(work / "runs" / "qwen2_5_vl_sft", "train/loss")
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
+    run(export, work)
+    out = work / "runs" / "qwen2_5_vl_sft" / "hf"
+    assert (out / "preprocessor_config.json").is_file() and (out / "tokenizer.json").is_file()
+    source = work / "configs" / "sample_data" / "tiny-qwen2_5-vl"
+    with safe_open(out / "model.safetensors", "pt") as new, safe_open(source / "model.safetensors", "pt") as old:
+        assert set(new.keys()) == set(old.keys())
+        name = "visual.patch_embed.proj.weight"
+        assert not new.get_tensor(name).equal(old.get_tensor(name))  # trained, not the source's
