@@ -68,3 +68,19 @@ def test_logits_and_export(family, layout, tmp_path):
         assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
     config = json.loads((source / "config.json").read_text())
     assert json.loads((tmp_path / "export" / "config.json").read_text()) == config
+
+
+def test_export_without_the_vision_encoder_is_refused(tmp_path):
+    """An export whose model lacks the vision encoder (never attached) is refused, not written
+    with the encoder missing (transformers would fill it with random weights)."""
+    from lightning_mcore import models
+    from lightning_mcore.hf.export import _refuse_incomplete
+
+    make_vlm("qwen2_5_vl", tmp_path)
+    cfg, family = models.gpt_config_from_hf(tmp_path)
+    table = models.weights(cfg, family)
+    decoder_only = [(None, 0, e.hf_names(0, 0), None, None) for e in table if not e.mcore.startswith("visual.")]
+    with pytest.raises(RuntimeError, match=r"no parameter for \d+ tensor\(s\).*visual\."):
+        _refuse_incomplete(table, decoder_only)
+    _refuse_incomplete(table, decoder_only + [(None, 0, e.hf_names(), None, None) for e in table
+                                              if e.mcore.startswith("visual.")])

@@ -52,6 +52,19 @@ def _items(chunks, cfg, entries: list[Entry]):
     return sorted(out, key=lambda item: item[0])
 
 
+def _refuse_incomplete(weights: list[Entry], plan) -> None:
+    """Every tensor of the table outside the layers (embedding, final norm, a vision encoder...)
+    must have an owner on some rank: a model built without one (e.g. a vision encoder never
+    attached) would otherwise give a directory that transformers fills with random weights."""
+    written = {name for _, _, names, _, _ in plan for name in names}
+    missing = sorted(n for e in weights if e.export and "{L}" not in e.mcore and "{E}" not in e.mcore
+                     for n in e.hf_names() if n not in written)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise RuntimeError(f"the model holds no parameter for {len(missing)} tensor(s) of its HF layout: "
+                           f"{', '.join(missing[:3])}{more}; refusing to write an incomplete export.")
+
+
 def gather_shards(param: torch.Tensor, expert: bool) -> list[torch.Tensor]:
     """The shards of `param` over TP (a routed expert's: over expert-TP), in rank order."""
     from megatron.core import parallel_state as ps
@@ -136,6 +149,7 @@ def export_hf(
         dist.all_gather_object(everyone, mine)
     plan = sorted((key, src, names, shapes, dt)
                   for src, lst in enumerate(everyone) for key, names, shapes, dt in lst)
+    _refuse_incomplete(weights, plan)
 
     staging = staged_dir(out_dir, {"format": "transformers"}) if rank == 0 else contextlib.nullcontext()
     with staging as tmp:
