@@ -31,6 +31,7 @@ SAMPLES = {  # data module class -> bundled sample for its `paths`
     "lightning_mcore.data.RewardDataModule": "configs/sample_data/reward.jsonl",
     "lightning_mcore.data.PretrainDataModule": "configs/sample_data/sample.txt",
     "lightning_mcore.data.PromptDataModule": "configs/sample_data/prompts.jsonl",
+    "lightning_mcore.data.VisionLanguageDataModule": "configs/sample_data/vlm/vlm.jsonl",
 }
 
 # The real models' config.json values (no weights are ever read at instantiation).
@@ -54,11 +55,26 @@ QWEN3_30B_A3B = dict(
     tie_word_embeddings=False, use_sliding_window=False, router_aux_loss_coef=0.001,
     bos_token_id=151643, eos_token_id=151645,
 )
+QWEN2_5_VL_7B = dict(  # Qwen/Qwen2.5-VL-7B-Instruct (transformers 5 layout)
+    architectures=["Qwen2_5_VLForConditionalGeneration"], image_token_id=151655,
+    video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    tie_word_embeddings=False,
+    text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                     max_position_embeddings=128000, rms_norm_eps=1e-6, hidden_act="silu",
+                     rope_parameters=dict(rope_type="default", rope_theta=1000000.0,
+                                          mrope_section=[16, 24, 24])),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                       out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                       tokens_per_second=2),
+)
 # Placeholder model directories the configs may name -> (transformers config class, values).
 HF_STUBS = {
     "checkpoints/Meta-Llama-3-8B-Instruct": ("LlamaConfig", LLAMA3_8B),
     "checkpoints/Qwen3-30B-A3B": ("Qwen3MoeConfig", QWEN3_30B_A3B),
     "checkpoints/Llama-3.1-8B-Instruct": ("LlamaConfig", LLAMA31_8B_INSTRUCT),
+    "checkpoints/Qwen2.5-VL-7B-Instruct": ("Qwen2_5_VLConfig", QWEN2_5_VL_7B),
 }
 
 
@@ -110,6 +126,8 @@ def hf_stubs(tmp_path_factory):
         for file in TOKENIZER.iterdir():
             shutil.copy(file, directory / file.name)
         save_file({}, directory / "model.safetensors")  # a complete header, no tensors
+        if "vision_config" in values:  # a vision-language model also has its image processor
+            shutil.copy(ROOT / "configs/sample_data/tiny-qwen2_5-vl/preprocessor_config.json", directory)
         # The real instruct models' tokenizers carry a chat template (the configs rely on it).
         tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
         tokenizer_config["chat_template"] = CHATML
