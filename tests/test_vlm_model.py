@@ -84,3 +84,31 @@ def test_export_without_the_vision_encoder_is_refused(tmp_path):
         _refuse_incomplete(table, decoder_only)
     _refuse_incomplete(table, decoder_only + [(None, 0, e.hf_names(), None, None) for e in table
                                               if e.mcore.startswith("visual.")])
+
+
+def test_hub_config_layout_reads_as_transformers_5_layout():
+    """Qwen2.5-VL-7B-Instruct's config.json on the hub is transformers 4's flat layout
+    (rope_scaling type mrope); it gives the same model as transformers 5's nested layout."""
+    import transformers
+
+    from lightning_mcore import models
+
+    flat = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+            "hidden_act": "silu", "hidden_size": 3584, "intermediate_size": 18944,
+            "max_position_embeddings": 128000, "num_attention_heads": 28, "num_hidden_layers": 28,
+            "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+            "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": False,
+            "vocab_size": 152064, "image_token_id": 151655, "video_token_id": 151656,
+            "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                              "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                              "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                              "temporal_patch_size": 2}}
+    nested = transformers.Qwen2_5_VLConfig.from_dict(dict(flat)).to_dict()
+    assert "text_config" in nested and "rope_scaling" not in flat["vision_config"]
+    a, family = models.gpt_config_from_hf(flat)
+    b, _ = models.gpt_config_from_hf(nested)
+    assert family == "qwen2_5_vl" and a == b
+    assert a.mrope.section == [16, 24, 24] and not a.mrope.interleaved and a.add_qkv_bias
+    assert a.num_query_groups == 4 and a.rotary_base == 1e6 and a.vision.image_token_id == 151655
