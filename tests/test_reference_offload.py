@@ -142,9 +142,9 @@ class WatchReference(L.Callback):
         self.out, self.losses, self.during = out, [], []
 
     def on_fit_start(self, trainer, pl_module):
-        self.start = where(pl_module._reference)
-        pl_module._reference[0].register_forward_pre_hook(
-            lambda *_: self.during.append(where(pl_module._reference)))
+        self.start = where(pl_module._reference.chunks)
+        pl_module._reference.chunks[0].register_forward_pre_hook(
+            lambda *_: self.during.append(where(pl_module._reference.chunks)))
 
     def on_train_batch_end(self, trainer, pl_module, *args):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
@@ -152,7 +152,7 @@ class WatchReference(L.Callback):
     def on_train_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
             self.out.write_text(json.dumps({"losses": self.losses, "start": self.start,
-                                            "during": self.during, "end": where(pl_module._reference)}))
+                                            "during": self.during, "end": where(pl_module._reference.chunks)}))
 
 
 def where(chunks) -> dict:

@@ -38,6 +38,7 @@ from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.model.packing import packed_seq_params
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill_loss import token_cross_entropy, token_divergence
+from lightning_mcore.objectives.frozen import FrozenModel
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
@@ -151,7 +152,7 @@ class DistillModule(MegatronModule):
         self.distill = distill or DistillSettings()
         self.teacher = read_teacher(teacher, self.model_config.seq_length, teacher_overrides)
         self._check_teacher(str(teacher))
-        self._teacher_chunks: Optional[list] = None  # frozen; not a submodule (never saved)
+        self._teacher_model: Optional[FrozenModel] = None
 
     def _check_teacher(self, teacher: str) -> None:
         """The teacher's logits index the student's vocabulary: the same size, padding and ids."""
@@ -199,9 +200,7 @@ class DistillModule(MegatronModule):
         first = self.chunks is None
         super().configure_model()
         if first:
-            self._teacher_chunks = self._build_chunks(self._strategy(), self.teacher)
-            for chunk in self._teacher_chunks:
-                chunk.requires_grad_(False).eval()
+            self._teacher_model = FrozenModel(self._build_chunks(self._strategy(), self.teacher))
 
     # ---------------------------------------------------------------- steps
     def _teacher_logits(self, batch: dict) -> torch.Tensor:
@@ -214,14 +213,14 @@ class DistillModule(MegatronModule):
         def step(mb, chunk):
             return _packed_logits(chunk, mb), lambda out: out.reshape(mb["tokens"].shape[0], -1)
 
-        logits = strategy.forward_collect(batch, step, seq * width, chunks=self._teacher_chunks, packed=True)
+        logits = self._teacher_model.forward_collect(strategy, batch, step, seq * width, packed=True)
         return logits.reshape(rows, seq, width)
 
     def forward_step(self, batch: dict, chunk):
         teacher_logits = batch.get("teacher_logits")
         if teacher_logits is None:  # no pipeline: the teacher's one chunk, this microbatch only
             with torch.no_grad():
-                teacher_logits = _packed_logits(self._teacher_chunks[0], batch)
+                teacher_logits = _packed_logits(self._teacher_model.chunks[0], batch)
         out = _packed_logits(chunk, batch)
 
         def loss_fn(logits):

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.cp_reduce import context_parallel_first, context_parallel_sum
 from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
-from lightning_mcore.model.offload import OffloadedWeights, on_device
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.objectives.frozen import ADAPTERS_OFF, FrozenModel, nothing_to_offload
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -115,23 +115,16 @@ class DPOModule(MegatronModule):
         if loss_type not in ("sigmoid", "ipo"):
             raise ValueError(f"loss_type must be 'sigmoid' or 'ipo', got {loss_type!r}.")
         if offload_reference and lora is not None:
-            raise ValueError("offload_reference=True has nothing to offload with lora: the reference "
-                             "is the policy's own base weights with the adapters off, not a copy. "
-                             "Set offload_reference=False.")
+            raise nothing_to_offload(f" with lora: {ADAPTERS_OFF}")
         self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
         self.offload_reference = offload_reference
-        self._reference: Optional[list] = None  # frozen chunks (no LoRA); not a submodule
-        self._reference_weights: Optional[OffloadedWeights] = None  # their CPU copy (offload_reference)
+        self._reference: Optional[FrozenModel] = None  # no LoRA: a frozen copy of the starting weights
 
     def configure_model(self) -> None:
         first = self.chunks is None
         super().configure_model()
         if first and self.lora is None:
-            self._reference = self._build_chunks(self._strategy())
-            for chunk in self._reference:
-                chunk.requires_grad_(False).eval()
-            if self.offload_reference:  # _build_chunks has loaded the weights
-                self._reference_weights = OffloadedWeights(self._reference)
+            self._reference = FrozenModel(self._build_chunks(self._strategy()), self.offload_reference)
 
     # ---------------------------------------------------------------- steps
     def _reference_logps(self, batch: dict) -> torch.Tensor:
@@ -145,8 +138,7 @@ class DPOModule(MegatronModule):
         if self.lora is not None:
             with adapters_disabled(list(self.chunks)):
                 return strategy.forward_collect(batch, step, 2, packed=True)
-        with on_device(self._reference_weights, strategy.root_device):
-            return strategy.forward_collect(batch, step, 2, chunks=self._reference, packed=True)
+        return self._reference.forward_collect(strategy, batch, step, 2, packed=True)
 
     def forward_step(self, batch: dict, chunk):
         out = forward_packed(chunk, batch)

@@ -35,10 +35,10 @@ from lightning_mcore import rewards as reward_lib
 from lightning_mcore.data.packing import build_row
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
-from lightning_mcore.model.offload import OffloadedWeights, on_device
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives import grpo_loss
 from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.objectives.frozen import ADAPTERS_OFF, FrozenModel, nothing_to_offload
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 from lightning_mcore.strategy.parallel import LayoutError
 
@@ -138,17 +138,14 @@ class GRPOModule(MegatronModule):
         if not isinstance(num_iterations, int) or num_iterations < 1:
             raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations}")
         if offload_reference and (beta == 0 or lora is not None):
-            why = ("beta=0 keeps no reference model (no KL term)" if beta == 0 else "with lora the "
-                   "reference is the policy's own base weights with the adapters off, not a copy")
-            raise ValueError(f"offload_reference=True has nothing to offload: {why}. "
-                             "Set offload_reference=False.")
+            why = "beta=0 keeps no reference model (no KL term)" if beta == 0 else f"with lora {ADAPTERS_OFF}"
+            raise nothing_to_offload(f": {why}")
         self.num_generations, self.max_completion_length = num_generations, max_completion_length
         self.sampling = sampling or GRPOSampling()
         self.beta, self.epsilon_low, self.epsilon_high = float(beta), epsilon_low, epsilon_high
         self.loss_normalization, self.scale_advantages = loss_normalization, scale_advantages
         self.num_iterations, self.offload_reference = num_iterations, offload_reference
-        self._reference: Optional[list] = None  # frozen chunks (beta > 0, no LoRA); not a submodule
-        self._reference_weights: Optional[OffloadedWeights] = None  # their CPU copy (offload_reference)
+        self._reference: Optional[FrozenModel] = None  # beta > 0, no LoRA: the starting weights
         self._rollout: Optional[Rollout] = None
 
     # ------------------------------------------------------------ checks before launch
@@ -179,11 +176,7 @@ class GRPOModule(MegatronModule):
         first = self.chunks is None
         super().configure_model()
         if first and self.lora is None and self.beta > 0:
-            self._reference = self._build_chunks(self._strategy())
-            for chunk in self._reference:
-                chunk.requires_grad_(False).eval()
-            if self.offload_reference:  # _build_chunks has loaded the weights
-                self._reference_weights = OffloadedWeights(self._reference)
+            self._reference = FrozenModel(self._build_chunks(self._strategy()), self.offload_reference)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -292,8 +285,7 @@ class GRPOModule(MegatronModule):
                 return strategy.forward_collect(inputs, step, seq, packed=True)
         if not reference:
             return strategy.forward_collect(inputs, step, seq, packed=True)
-        with on_device(self._reference_weights, strategy.root_device):
-            return strategy.forward_collect(inputs, step, seq, chunks=self._reference, packed=True)
+        return self._reference.forward_collect(strategy, inputs, step, seq, packed=True)
 
     # ------------------------------------------------------------ loss
     def forward_step(self, batch: dict, chunk):
