@@ -4,6 +4,7 @@ synthetic samples, LoRA on the decoder, vision encoder frozen, bf16.
 
     python benchmarks/bench_vlm_sft.py make --out /tmp/vl7b            # random Qwen2.5-VL-7B shape
     torchrun --nproc-per-node 1 benchmarks/bench_vlm_sft.py ours --model /tmp/vl7b
+    torchrun --nproc-per-node 2 benchmarks/bench_vlm_sft.py ours --model /tmp/vl7b --tp 2 --full  # not yet run
     python benchmarks/bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 2
 
 A sample: `--text` text tokens around one image of `--grid` patches (28x28 patches of 14 px:
@@ -126,18 +127,20 @@ def vision_params(config: dict) -> int:
     return d * block + merger + 3 * 2 * 14 * 14 * h
 
 
-def flops(config: dict, sample_len: int, grid) -> tuple[float, float]:
-    """(decoder LoRA-step FLOPs per token, encoder forward FLOPs per patch)."""
+def flops(config: dict, sample_len: int, grid, full: bool = False) -> tuple[float, float]:
+    """(decoder step FLOPs per token, encoder FLOPs per patch): LoRA, 2 x forward and the
+    encoder's forward; full fine-tuning (`full`), 3 x forward for both."""
     from lightning_mcore.models import gpt_config_from_hf
     from lightning_mcore.model.flops import training_flops_per_token
 
     cfg, _ = gpt_config_from_hf(config, seq_length=4096)
-    return training_flops_per_token(cfg, sample_len, frozen_base=True), 2.0 * vision_params(config)
+    return (training_flops_per_token(cfg, sample_len, frozen_base=not full),
+            (6.0 if full else 2.0) * vision_params(config))
 
 
 def result(args, impl: str, step: float, tokens_per_step: int, patches_per_step: int, config: dict, extra: dict):
     sample_len = args.text + 2 + args.grid[0] * args.grid[1] * args.grid[2] // 4
-    dec, enc = flops(config, sample_len, args.grid)
+    dec, enc = flops(config, sample_len, args.grid, full=impl == "ours" and args.full)
     tokens_s, patches_s = tokens_per_step / step, patches_per_step / step
     print("RESULT " + json.dumps({
         "impl": impl, "shape": args.shape, "layers": config["text_config"]["num_hidden_layers"],
@@ -169,14 +172,15 @@ def ours(args) -> None:
             torch.cuda.synchronize() if CUDA else None
             times.append(time.perf_counter() - self.t)
 
-    strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1,
+    strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1, use_distributed_optimizer=CUDA,
                                 tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1)
     trainer = L.Trainer(accelerator="gpu" if CUDA else "cpu", devices=args.tp, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
     module = VisionLanguageSFTModule(args.model, OptimizerSettings(lr=1e-4, warmup_steps=2),
                                      model_overrides=dict(seq_length=args.seq),
-                                     lora=LoRAConfig(target_modules="all-linear", rank=args.rank, alpha=2.0 * args.rank))
+                                     lora=None if args.full else LoRAConfig(target_modules="all-linear", rank=args.rank,
+                                                                            alpha=2.0 * args.rank))
     data = PackedRows(config, args.gbs * args.steps, per_row, args.seq, args.text, tuple(args.grid))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=args.gbs))
     steady = times[UNTIMED_STEPS:]
@@ -184,7 +188,7 @@ def ours(args) -> None:
         t, h, w = args.grid
         result(args, "ours", sum(steady) / len(steady), args.gbs * per_row * sample_len // args.tp,
                args.gbs * per_row * t * h * w // args.tp, config,
-               {"samples_per_row": per_row, "gbs_rows": args.gbs, "tp": args.tp})
+               {"samples_per_row": per_row, "gbs_rows": args.gbs, "tp": args.tp, "full": args.full})
 
 
 def hf(args) -> None:
@@ -201,7 +205,7 @@ def hf(args) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     sample_len = args.text + 2 + args.grid[0] * args.grid[1] * args.grid[2] // 4
     per_step = (args.seq // sample_len) * args.gbs  # the same samples per step as ours
-    steps, times, k = [], [], 0
+    times, k = [], 0
     t, h, w = args.grid
     for step in range(args.steps):
         torch.cuda.synchronize() if CUDA else None
@@ -240,6 +244,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--full", action="store_true",
+                    help="ours: full fine-tuning (vision encoder included, distributed optimizer) instead of LoRA")
     ap.add_argument("--micro-batch", type=int, default=1, help="samples per HF forward")
     ap.add_argument("--compile", action="store_true", help="HF: torch.compile the language model")
     args = ap.parse_args()
