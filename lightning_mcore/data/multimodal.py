@@ -438,15 +438,9 @@ def process_sample(record: dict, index: int, file: str, processor: VisionProcess
         raise BadSample("video tokens", f"{where}: video tokens in the text; videos are not "
                         "supported")
     counts = processor.tokens_per_image(grids)
-    ids_out, mask_out, image, image_end = [], [], 0, 0
-    for token, flag in zip(ids, mask):
-        if token == processor.image_token_id:
-            ids_out += [token] * counts[image]
-            mask_out += [0] * counts[image]  # image tokens never carry loss
-            image, image_end = image + 1, len(ids_out)
-        else:
-            ids_out.append(token)
-            mask_out.append(flag)
+    ids_out, mask_out = processor.expand(ids, grids, mask)  # image tokens never carry loss
+    at = np.flatnonzero(np.asarray(ids_out) == processor.image_token_id)
+    image_end = int(at[-1]) + 1 if len(at) else 0
     first = next((j for j in range(1, len(mask_out)) if mask_out[j]), len(ids_out))
     return dict(input_ids=ids_out, assistant_mask=mask_out, length=len(ids_out), first_loss=first,
                 dropped="", problem="", pixel_values=pixels.reshape(-1),

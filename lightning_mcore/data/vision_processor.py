@@ -13,7 +13,6 @@ token ids come from the model's config.json (``image_token_id``, ``video_token_i
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -21,6 +20,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from lightning_mcore.data.preprocess import tokenizer_dir
+from lightning_mcore.hf.config import read_config_json
 
 TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -80,20 +80,24 @@ class VisionProcessor:
     def tokens_per_image(self, grids: np.ndarray) -> list[int]:
         return [int(np.prod(g)) // self.merge_size**2 for g in grids]
 
-    def expand(self, ids: Sequence[int], grids: np.ndarray) -> list[int]:
-        """``ids`` with the i-th image token repeated for the i-th image's merged tokens."""
-        counts, out, image = self.tokens_per_image(grids), [], 0
-        for token in ids:
+    def expand(self, ids: Sequence[int], grids: np.ndarray,
+               mask: Optional[Sequence[int]] = None) -> tuple[list[int], list[int]]:
+        """(``ids`` with the i-th image token repeated for the i-th image's merged tokens, the
+        per-token ``mask`` expanded alike: 0 on image tokens, which never carry loss)."""
+        counts, out, flags, image = self.tokens_per_image(grids), [], [], 0
+        for k, token in enumerate(ids):
             if token == self.image_token_id:
                 if image == len(counts):
                     raise ValueError(f"more image tokens than the {len(counts)} images")
                 out.extend([token] * counts[image])
+                flags.extend([0] * counts[image])
                 image += 1
             else:
                 out.append(token)
+                flags.append(0 if mask is None else mask[k])
         if image != len(counts):
             raise ValueError(f"{image} image tokens for {len(counts)} images")
-        return out
+        return out, flags
 
     def __call__(self, text: str, images: Sequence[Any]) -> dict[str, np.ndarray]:
         """``input_ids`` [1, L], ``pixel_values``, ``image_grid_thw`` of one text (placeholders
@@ -104,7 +108,7 @@ class VisionProcessor:
             return {k: np.asarray(out[k]) for k in ("input_ids", "pixel_values", "image_grid_thw")}
         pixels, grids = self.images(images)
         ids = self.tokenizer([text], add_special_tokens=True)["input_ids"][0]
-        expanded = np.asarray([self.expand(ids, grids)], dtype=np.int64)
+        expanded = np.asarray([self.expand(ids, grids)[0]], dtype=np.int64)
         return {"input_ids": expanded, "pixel_values": pixels, "image_grid_thw": grids}
 
 
@@ -141,16 +145,11 @@ def load_vision_processor(path: str) -> VisionProcessor:
 
 def _token_ids(path: str) -> dict[str, int]:
     """The vision token ids of config.json (top level), refusing a config without them."""
-    config_file = os.path.join(path, "config.json")
-    try:
-        with open(config_file) as file:
-            config = json.load(file)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{config_file!r} cannot be read: {err}") from None
+    config = read_config_json(path)
     ids = {name: config[name] for name in TOKEN_FIELDS if isinstance(config.get(name), int)}
     if "image_token_id" not in ids:
         raise ValueError(
-            f"{config_file!r} has no image_token_id: the directory must hold a vision-language "
-            "model's config (with image_token_id, vision_start_token_id, ...)"
+            f"{os.path.join(path, 'config.json')!r} has no image_token_id: the directory must hold a "
+            "vision-language model's config (with image_token_id, vision_start_token_id, ...)"
         )
     return ids
