@@ -188,7 +188,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     # Lightning binds the process group to the device (eager NCCL init; subgroups split from it)
     dist.init_process_group("nccl", device_id=device if args.nccl_device_id else None)
     parallel_state.initialize_model_parallel(**parallel.sizes())
-    model_parallel_cuda_manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=cfg.cuda_graphs is not None)
     tf = to_transformer_config(cfg, parallel, torch.bfloat16, on_cpu=False, use_te=True)
     # --init-device-context: build as Lightning's configure_model() does, inside torch.device(cuda)
     with device if args.init_device_context else contextlib.nullcontext():
@@ -336,6 +336,12 @@ def main() -> None:
                     help="each rank on its own block of CPUs (threads and data workers included)")
     ap.add_argument("--moe-capacity", type=float, default=None, metavar="F",
                     help="MoE: fixed expert capacity factor F with padding (no per-layer host sync)")
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's num_layers")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                    help="a TransformerConfig field for raw and lightning alike (GPTConfig.extra), "
+                         "e.g. moe_permute_fusion=true; repeatable")
+    ap.add_argument("--cuda-graphs", default=None, metavar="PARTS",
+                    help="GPTConfig.cuda_graphs: comma-separated parts (attn,moe_router,...) or 'layer' (whole)")
     ap.add_argument("--no-wgrad-fusion", action="store_true",
                     help="raw only: TE layers return bf16 weight grads that DDP adds to main_grad")
     args = ap.parse_args()
@@ -349,6 +355,8 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_layers"] = args.layers
     if args.data != "random":
         from pathlib import Path
 
@@ -368,7 +376,12 @@ def main() -> None:
             ap.error("--recompute-block needs --recompute full")
     if args.moe_capacity is not None:
         extra.update(moe_expert_capacity_factor=args.moe_capacity, moe_pad_expert_input_to_capacity=True)
+    for item in args.set:
+        field, value = item.split("=", 1)
+        extra[field] = json.loads(value)
+    graphs = None if args.cuda_graphs is None else [] if args.cuda_graphs == "layer" else args.cuda_graphs.split(",")
     cfg = GPTConfig(**shape, seq_length=args.seq, transformer_impl="transformer_engine", fp8=args.fp8,
+                    cuda_graphs=graphs,
                     recompute_granularity=args.recompute, extra=extra,
                     **({} if args.recompute_block is None else
                        dict(recompute_method="block", recompute_num_layers=args.recompute_block)))
@@ -405,7 +418,8 @@ def main() -> None:
             "vpp": args.vpp, "cp": args.cp, "ep": args.ep, "sp": parallel.sequence_parallel,
             "fp8": args.fp8, "fp8_amax": args.fp8_amax,
             "recompute": args.recompute, "recompute_block": args.recompute_block,
-            "moe_capacity": args.moe_capacity, "pinned_cpus_rank0": pinned,
+            "moe_capacity": args.moe_capacity, "pinned_cpus_rank0": pinned, "layers": cfg.num_layers,
+            "set": args.set, "cuda_graphs": args.cuda_graphs,
             "init_device_context": args.init_device_context or (args.impl == "lightning"
                                                                 and not args.no_init_device_context),
             "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,

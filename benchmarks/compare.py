@@ -24,6 +24,11 @@ HERE = Path(__file__).parent
 # the MoE cases' model and batches: a small Qwen3-MoE at EP=2, micro batch 1 x 4 per rank
 _MOE = "--shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"
 
+# issue 20's one-GPU MoE runs: the moe shape's first 6 layers, EP=1, global batch 8
+_MOE1 = "--shape qwen3-moe-small --layers 6 --gbs 8 --steps 14 --warmup 6"
+_FUSED = "--set moe_permute_fusion=true --set moe_router_fusion=true"
+_GRAPHS = "--cuda-graphs attn,moe_router,moe_preprocess"
+
 # case -> [(gpus, label, bench_pretrain.py arguments)]
 CASES = {
     "1b": [  # 1.2B Llama shape, seq 4096, 1 GPU
@@ -115,6 +120,25 @@ CASES = {
         (2, "lightning", "--impl lightning --shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 13 --warmup 10 "
                          "--profile"),
     ],
+    # issue 20 on one GPU: the 1b case's levers (CUDA graphs of whole layers) and where its time goes
+    "1b-levers": [
+        (1, "lightning", "--impl lightning --mbs 4"),
+        (1, "lightning-graphs", "--impl lightning --mbs 4 --cuda-graphs layer"),
+    ],
+    "1b-profile": [(1, "lightning", "--impl lightning --mbs 4 --steps 13 --warmup 10 --profile")],
+    # the moe shape's first 6 layers on one GPU (EP=1; 2.6B parameters): micro batch, mcore's
+    # permute and router fusions, CUDA graphs of what dropless MoE can capture
+    "moe-1gpu": [
+        (1, "raw-mbs1", f"--impl raw {_MOE1} --mbs 1"),
+        (1, "raw-mbs4", f"--impl raw {_MOE1} --mbs 4"),
+        (1, "raw-mbs4-fused", f"--impl raw {_MOE1} --mbs 4 {_FUSED}"),
+        (1, "raw-mbs4-fused-graphs", f"--impl raw {_MOE1} --mbs 4 {_FUSED} {_GRAPHS}"),
+        (1, "lightning-mbs4-fused-graphs", f"--impl lightning {_MOE1} --mbs 4 {_FUSED} {_GRAPHS}"),
+        (1, "raw-mbs2-fused-graphs", f"--impl raw {_MOE1} --mbs 2 {_FUSED} {_GRAPHS}"),
+    ],
+    "moe-1gpu-profile": [
+        (1, "raw-mbs4-fused-graphs", f"--impl raw {_MOE1} --mbs 4 {_FUSED} {_GRAPHS} --steps 13 --warmup 10 --profile"),
+    ],
 }
 
 
@@ -152,6 +176,9 @@ def summarize(case: str, results: dict) -> None:
              ("lightning-noinitdev", "raw"), ("lightning", "raw-initdev"),
              ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"),
              ("lightning-dp4", "lightning-1gpu"), ("raw-dp4", "lightning-1gpu")]
+    # any "lightning-X" against its "raw-X"
+    pairs = list(dict.fromkeys(pairs + [(k.partition("#")[0], "raw-" + k.partition("#")[0][len("lightning-"):])
+                                        for k in tok if k.startswith("lightning-")]))
     repeats = sorted({k.partition("#")[2] for k in tok})
     for suffix in repeats:
         for a, b in pairs:

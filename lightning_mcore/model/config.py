@@ -128,6 +128,12 @@ class GPTConfig:
     # FP8 matmuls through Transformer Engine (E4M3 forward, E5M2 gradients): "delayed" scaling
     # (amax history) or "current" (per-tensor amax of the tensor being cast). GPU only.
     fp8: Optional[Literal["delayed", "current"]] = None
+    # CUDA graphs (GPU; mcore's "local" implementation; checks: strategy/cuda_graphs.py): these
+    # parts of every layer are captured in the first training step and replayed after it, so the
+    # host stops launching their kernels one by one. mcore's cuda_graph_modules names: "attn",
+    # "mlp" (dense layers), "moe_router", "moe_preprocess"; [] captures whole dense layers.
+    # None: off. Every training batch must then have the first one's shape.
+    cuda_graphs: Optional[list[str]] = None
     make_vocab_size_divisible_by: int = 128
     extra: dict[str, Any] = field(default_factory=dict)  # any other TransformerConfig field
 
@@ -191,6 +197,10 @@ ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
 }
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def te_available() -> bool:
@@ -268,6 +278,10 @@ def to_transformer_config(
                       recompute_num_layers=cfg.recompute_num_layers or 1)
     if cfg.recompute_granularity == "selective" and cfg.recompute_modules is not None:
         kwargs.update(recompute_modules=list(cfg.recompute_modules))
+    if cfg.cuda_graphs is not None:
+        # mcore 0.19 renamed cuda_graph_scope to cuda_graph_modules (same names)
+        name = "cuda_graph_modules" if "cuda_graph_modules" in _fields(TransformerConfig) else "cuda_graph_scope"
+        kwargs.update(cuda_graph_impl="local", **{name: list(cfg.cuda_graphs)})
     if cfg.activation_offload_layers:
         kwargs.update(cpu_offloading=True, cpu_offloading_num_layers=cfg.activation_offload_layers,
                       cpu_offloading_activations=True, cpu_offloading_weights=False)
@@ -299,7 +313,7 @@ def to_transformer_config(
         config_class = MLATransformerConfig
         kwargs.update(mla_config_kwargs(cfg))
     kwargs.update(cfg.extra)
-    known = {f.name for f in dataclasses.fields(config_class)}
+    known = _fields(config_class)
     unknown = sorted(set(kwargs) - known)
     for name in unknown:  # fields that an older/newer mcore does not have
         if name in cfg.extra:

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
+from lightning_mcore.strategy.cuda_graphs import check_graph_shape, validate_cuda_graphs
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.optimizer import (
@@ -113,6 +114,7 @@ class MegatronStrategy(DDPStrategy):
             overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather,
         )
+        self._graph_shape = None  # the training batch shape CUDA graphs were captured for
         self._requested_parallel = self.parallel  # None = the device's fast path (resolve_fast_path)
         self.batch = BatchConfig(global_batch_size, micro_batch_size)
         self.seed = seed
@@ -149,6 +151,8 @@ class MegatronStrategy(DDPStrategy):
         validate_layout(self.num_nodes * self.num_processes, self.parallel, self.batch, model_config,
                         accelerator=accelerator, use_te=use_te, optimizer=optimizer)
         validate_memory(self.parallel, model_config, optim, accelerator, use_te)
+        if model_config is not None:
+            validate_cuda_graphs(model_config, accelerator)
 
     def _configure_launcher(self) -> None:
         # Lightning calls this when the Trainer is built: the earliest point at which the world
@@ -198,9 +202,11 @@ class MegatronStrategy(DDPStrategy):
         seed = self.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
         torch.manual_seed(seed)
         # On CPU, mcore's inference tracker keeps no CUDA generator state; dropout then draws
-        # from the default generator.
+        # from the default generator. CUDA graphs need generators that a capture can replay.
+        config = getattr(self.lightning_module, "model_config", None)
+        graphs = getattr(config, "cuda_graphs", None) is not None
         tensor_parallel.model_parallel_cuda_manual_seed(
-            seed, inference_rng_tracker=self.on_cpu, force_reset_rng=True
+            seed, inference_rng_tracker=self.on_cpu, use_cudagraphable_rng=graphs, force_reset_rng=True
         )
 
     @property
@@ -482,6 +488,10 @@ class MegatronStrategy(DDPStrategy):
 
         if not forward_only:
             self.check_training_rows(next(iter(batch.values())).shape[0])
+            config = getattr(self.lightning_module, "model_config", None)
+            if getattr(config, "cuda_graphs", None) is not None:
+                self._graph_shape = check_graph_shape(config, self._graph_shape,
+                                                      next(iter(batch.values())).shape)
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
         micro = self._context_parallel_slices(self.split_microbatches(batch), packed)
         chunks = list(self.lightning_module.chunks)
