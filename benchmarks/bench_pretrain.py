@@ -342,6 +342,13 @@ def main() -> None:
                          "e.g. moe_permute_fusion=true; repeatable")
     ap.add_argument("--cuda-graphs", default=None, metavar="PARTS",
                     help="GPTConfig.cuda_graphs: comma-separated parts (attn,moe_router,...) or 'layer' (whole)")
+    ap.add_argument("--hf-dtype", default="amp", choices=["amp", "bf16", "fp32"],
+                    help="hf-eager/hf-compile: precision (hf_baseline.py: amp = fp32 weights + bf16 autocast)")
+    ap.add_argument("--hf-experts", default=None, choices=["grouped_mm", "batched_mm", "eager"],
+                    help="hf-eager/hf-compile, MoE shapes: transformers' experts_implementation (grouped_mm)")
+    ap.add_argument("--hf-attn", default=None, help="hf-eager/hf-compile: attn_implementation (hf_baseline.ATTN)")
+    ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                    help="hf-compile: torch.compile mode")
     ap.add_argument("--no-wgrad-fusion", action="store_true",
                     help="raw only: TE layers return bf16 weight grads that DDP adds to main_grad")
     args = ap.parse_args()
@@ -434,6 +441,8 @@ def main() -> None:
         }
         if getattr(timer, "callback", None):
             result["callback"] = timer.callback
+        if getattr(timer, "hf", None):  # hf_baseline's settings (precision, experts, attention, dynamo graphs)
+            result["hf"] = timer.hf
         if timer.losses:
             result["losses"] = [round(x, 4) for x in timer.losses]
         print("RESULT " + json.dumps(result), flush=True)

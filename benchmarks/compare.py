@@ -136,6 +136,22 @@ CASES = {
         (1, "lightning-mbs4-fused-graphs", f"--impl lightning {_MOE1} --mbs 4 {_FUSED} {_GRAPHS}"),
         (1, "raw-mbs2-fused-graphs", f"--impl raw {_MOE1} --mbs 2 {_FUSED} {_GRAPHS}"),
     ],
+    # HF transformers at its best on the 1b shape (hf_baseline.py: loss in the model, mask-free causal
+    # SDPA, dynamic=False): micro batch 1/2/4, eager and compiled, fp32 master weights + bf16 autocast
+    # (amp, precision-matched with mcore) and pure bf16 (compiled)
+    "hf-sweep": [
+        (1, f"hf-{kind}-mbs{mbs}", f"--impl hf-{kind} --mbs {mbs}")
+        for kind in ("eager", "compile") for mbs in (1, 2, 4)
+    ] + [(1, f"hf-compile-mbs{mbs}-bf16", f"--impl hf-compile --mbs {mbs} --hf-dtype bf16") for mbs in (2, 4)],
+    # HF's own Qwen3-MoE (grouped_mm experts, no aux loss) on moe-1gpu's shape and batches; in amp
+    # the experts run in fp32 (grouped_mm is not autocast; compiled, through transformers' fallback
+    # op, whose backward inductor cannot compile in transformers 5.17/5.18, fixed by 5.23: then
+    # RESULT hf.unique_graphs > 1), so pure bf16 runs too
+    "moe-1gpu-hf": [
+        (1, f"hf-{kind}-mbs{mbs}{tag}", f"--impl hf-{kind} {_MOE1} --mbs {mbs}{flag}")
+        for tag, flag in (("", ""), ("-bf16", " --hf-dtype bf16"))
+        for kind in ("eager", "compile") for mbs in (1, 2, 4)
+    ],
     "moe-1gpu-profile": [
         (1, "raw-mbs4-fused-graphs", f"--impl raw {_MOE1} --mbs 4 {_FUSED} {_GRAPHS} --steps 13 --warmup 10 --profile"),
     ],
