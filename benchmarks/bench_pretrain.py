@@ -181,6 +181,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
     from lightning_mcore.model.init import init_layout_invariant
+    from lightning_mcore.strategy.cuda_graphs import graph_safe_rng
     from lightning_mcore.strategy.parallel import context_parallel_slice
 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -188,7 +189,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     # Lightning binds the process group to the device (eager NCCL init; subgroups split from it)
     dist.init_process_group("nccl", device_id=device if args.nccl_device_id else None)
     parallel_state.initialize_model_parallel(**parallel.sizes())
-    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=cfg.cuda_graphs is not None)
+    model_parallel_cuda_manual_seed(1234, **graph_safe_rng(cfg, use_te=True))
     tf = to_transformer_config(cfg, parallel, torch.bfloat16, on_cpu=False, use_te=True)
     # --init-device-context: build as Lightning's configure_model() does, inside torch.device(cuda)
     with device if args.init_device_context else contextlib.nullcontext():

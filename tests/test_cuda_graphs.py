@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_mcore.model.config import to_transformer_config
-from lightning_mcore.strategy.cuda_graphs import CudaGraphError, check_graph_shape, validate_cuda_graphs
+from lightning_mcore.strategy.cuda_graphs import (CudaGraphError, check_graph_shape, graph_safe_rng,
+                                                   validate_cuda_graphs)
 from lightning_mcore.strategy.parallel import ParallelConfig
 from test_bad_inputs import MODEL, refused, write_config
 from test_memory_options import no_fit  # noqa: F401  (fixture)
@@ -76,3 +77,14 @@ def test_cli_refuses_cuda_graphs_on_cpu(capsys, tmp_path, no_fit):  # noqa: F811
     line = refused(capsys, tmp_path, write_config(tmp_path, model=dict(MODEL, cuda_graphs=["attn"])))
     assert line.startswith("error: invalid CUDA graph setting (trainer.accelerator=cpu, "
                            "model.init_args.model.cuda_graphs=['attn']): cuda_graphs=['attn'] needs a GPU"), line
+
+
+@pytest.mark.parametrize("parts, use_te, want", [
+    (None, True, {"te_rng_tracker": False, "use_cudagraphable_rng": False}),  # mcore's default tracker
+    (["attn"], True, {"te_rng_tracker": True, "use_cudagraphable_rng": False}),  # TE attention needs TE's
+    (["attn"], False, {"te_rng_tracker": False, "use_cudagraphable_rng": True}),
+])
+def test_graph_safe_rng_tracker(parts, use_te, want):
+    assert graph_safe_rng(tiny_config(cuda_graphs=parts), use_te) == want
+    tf = to_transformer_config(tiny_config(cuda_graphs=parts), ParallelConfig(), torch.bfloat16, True, use_te=False)
+    assert tf.use_te_rng_tracker is False  # without TE layers, mcore's own cudagraphable tracker

@@ -281,7 +281,8 @@ def to_transformer_config(
     if cfg.cuda_graphs is not None:
         # mcore 0.19 renamed cuda_graph_scope to cuda_graph_modules (same names)
         name = "cuda_graph_modules" if "cuda_graph_modules" in _fields(TransformerConfig) else "cuda_graph_scope"
-        kwargs.update(cuda_graph_impl="local", **{name: list(cfg.cuda_graphs)})
+        # use_te_rng_tracker: the seeding gives TE's tracker (strategy/cuda_graphs.graph_safe_rng)
+        kwargs.update(cuda_graph_impl="local", use_te_rng_tracker=use_te, **{name: list(cfg.cuda_graphs)})
     if cfg.activation_offload_layers:
         kwargs.update(cpu_offloading=True, cpu_offloading_num_layers=cfg.activation_offload_layers,
                       cpu_offloading_activations=True, cpu_offloading_weights=False)

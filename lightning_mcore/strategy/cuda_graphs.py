@@ -53,6 +53,13 @@ def validate_cuda_graphs(model: "GPTConfig", accelerator: str) -> None:
                              fields=("cuda_graphs", "activation_offload_layers"))
 
 
+def graph_safe_rng(model: Optional["GPTConfig"], use_te: bool) -> dict:
+    """model_parallel_cuda_manual_seed's tracker arguments: a capture must replay the RNG, and
+    Transformer Engine's attention accepts only its own tracker inside a capture."""
+    graphs = model is not None and model.cuda_graphs is not None
+    return {"te_rng_tracker": graphs and use_te, "use_cudagraphable_rng": graphs and not use_te}
+
+
 def check_graph_shape(model: "GPTConfig", first: Optional[tuple], shape: tuple) -> tuple:
     """The shape every step must keep once graphs are captured (`first`); returns it. A replay
     with other shapes would compute on the captured buffers' sizes, so it is refused."""

@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
-from lightning_mcore.strategy.cuda_graphs import check_graph_shape, validate_cuda_graphs
+from lightning_mcore.strategy.cuda_graphs import check_graph_shape, graph_safe_rng, validate_cuda_graphs
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.optimizer import (
@@ -204,9 +204,9 @@ class MegatronStrategy(DDPStrategy):
         # On CPU, mcore's inference tracker keeps no CUDA generator state; dropout then draws
         # from the default generator. CUDA graphs need generators that a capture can replay.
         config = getattr(self.lightning_module, "model_config", None)
-        graphs = getattr(config, "cuda_graphs", None) is not None
         tensor_parallel.model_parallel_cuda_manual_seed(
-            seed, inference_rng_tracker=self.on_cpu, use_cudagraphable_rng=graphs, force_reset_rng=True
+            seed, inference_rng_tracker=self.on_cpu, force_reset_rng=True,
+            **graph_safe_rng(config, config is not None and self.uses_te(config)),
         )
 
     @property
