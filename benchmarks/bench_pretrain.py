@@ -88,13 +88,16 @@ class StepTimer:
     window: the main thread's CPU time and Python's garbage-collector pauses. Optionally
     profiles steps 10-12 with torch.profiler (`profile`) or cProfile (`pyprofile`)."""
 
-    def __init__(self, profile: bool = False, pyprofile: bool = False) -> None:
+    def __init__(self, profile: bool = False, pyprofile: bool = False, manual_gc: int = 0) -> None:
         self.times: list[float] = []
         self.host: list[float] = []
         self.gc: list[float] = []
         self.losses: list[float] = []
         self._t = self._h = 0.0
         self.profile, self.pyprofile = profile, pyprofile
+        # manual_gc N (Megatron-LM's --manual-gc): Python's collector off, what exists before the
+        # first step frozen out of it, one full collection every N steps, inside the timed step
+        self.manual_gc = manual_gc
         self._prof = None
         self._gc_t0, self._gc_total = 0.0, 0.0
         gc.callbacks.append(self._on_gc)
@@ -107,6 +110,10 @@ class StepTimer:
 
     def start(self) -> None:
         torch.cuda.synchronize()
+        if self.manual_gc and not self.times and gc.isenabled():
+            gc.collect()
+            gc.freeze()
+            gc.disable()
         if len(self.times) == 10 and (self.profile or self.pyprofile):
             if self.profile:
                 self._prof = torch.profiler.profile(
@@ -120,6 +127,8 @@ class StepTimer:
         self._t = time.perf_counter()
 
     def stop(self) -> None:
+        if self.manual_gc and (len(self.times) + 1) % self.manual_gc == 0:
+            gc.collect()
         torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t)
         self.host.append(time.thread_time() - self._h)
@@ -226,7 +235,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
 
         return out, loss_fn
 
-    timer = StepTimer(args.profile, args.pyprofile)
+    timer = StepTimer(args.profile, args.pyprofile, args.manual_gc)
     for step, batch in enumerate(loader):
         if step == args.steps:
             break
@@ -260,7 +269,7 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
 
     from lightning_mcore import MegatronStrategy, MegatronThroughput, OptimizerSettings, PretrainModule
 
-    timer = StepTimer(args.profile, args.pyprofile)
+    timer = StepTimer(args.profile, args.pyprofile, args.manual_gc)
     logged: dict = {}
 
     class Timing(L.Callback):
@@ -337,6 +346,8 @@ def main() -> None:
                     help="each rank on its own block of CPUs (threads and data workers included)")
     ap.add_argument("--moe-capacity", type=float, default=None, metavar="F",
                     help="MoE: fixed expert capacity factor F with padding (no per-layer host sync)")
+    ap.add_argument("--manual-gc", type=int, default=0, metavar="N",
+                    help="Python's garbage collector off after a freeze, one collection every N steps")
     ap.add_argument("--layers", type=int, default=None, help="override the shape's num_layers")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
                     help="a TransformerConfig field for raw and lightning alike (GPTConfig.extra), "
@@ -427,7 +438,7 @@ def main() -> None:
             "fp8": args.fp8, "fp8_amax": args.fp8_amax,
             "recompute": args.recompute, "recompute_block": args.recompute_block,
             "moe_capacity": args.moe_capacity, "pinned_cpus_rank0": pinned, "layers": cfg.num_layers,
-            "set": args.set, "cuda_graphs": args.cuda_graphs,
+            "set": args.set, "cuda_graphs": args.cuda_graphs, "manual_gc": args.manual_gc,
             "init_device_context": args.init_device_context or (args.impl == "lightning"
                                                                 and not args.no_init_device_context),
             "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,

@@ -152,6 +152,15 @@ CASES = {
         for tag, flag in (("", ""), ("-bf16", " --hf-dtype bf16"))
         for kind in ("eager", "compile") for mbs in (1, 2, 4)
     ],
+    # the next GPU session's MoE levers, each against moe-1gpu's raw-mbs4: the graphs with TE's RNG
+    # tracker, Megatron-LM's manual garbage collection, and lightning against raw with both
+    "moe-1gpu-next": [
+        (1, "raw-mbs4", f"--impl raw {_MOE1} --mbs 4"),
+        (1, "raw-mbs4-graphs", f"--impl raw {_MOE1} --mbs 4 {_GRAPHS}"),
+        (1, "raw-mbs4-gc", f"--impl raw {_MOE1} --mbs 4 --manual-gc 10"),
+        (1, "raw-mbs4-graphs-gc", f"--impl raw {_MOE1} --mbs 4 {_GRAPHS} --manual-gc 10"),
+        (1, "lightning-mbs4-graphs-gc", f"--impl lightning {_MOE1} --mbs 4 {_GRAPHS} --manual-gc 10"),
+    ],
     "moe-1gpu-profile": [
         (1, "raw-mbs4-fused-graphs", f"--impl raw {_MOE1} --mbs 4 {_FUSED} {_GRAPHS} --steps 13 --warmup 10 --profile"),
     ],
