@@ -88,3 +88,18 @@ def test_graph_safe_rng_tracker(parts, use_te, want):
     assert graph_safe_rng(tiny_config(cuda_graphs=parts), use_te) == want
     tf = to_transformer_config(tiny_config(cuda_graphs=parts), ParallelConfig(), torch.bfloat16, True, use_te=False)
     assert tf.use_te_rng_tracker is False  # without TE layers, mcore's own cudagraphable tracker
+
+
+def test_resume_may_change_cuda_graphs(tmp_path):
+    """Graphs change no weight: a checkpoint saved with them resumes without them, and the other
+    way round (as the recompute settings do); the model check still runs."""
+    from lightning_mcore.strategy import checkpoint_io
+
+    path = tmp_path / "x.ckpt"
+    (path / checkpoint_io.WEIGHTS).mkdir(parents=True)
+    saved = tiny_config(cuda_graphs=["attn"])
+    torch.save({"megatron": {"model_config": dataclasses.asdict(saved)}}, path / checkpoint_io.COMMON)
+    checkpoint_io.read_common(path, dataclasses.replace(saved, cuda_graphs=None))
+    checkpoint_io.read_common(path, dataclasses.replace(saved, cuda_graphs=["attn", "mlp"]))
+    with pytest.raises(checkpoint_io.CheckpointLoadError, match="num_layers"):
+        checkpoint_io.read_common(path, dataclasses.replace(saved, num_layers=2))

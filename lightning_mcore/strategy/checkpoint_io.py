@@ -298,7 +298,7 @@ def read_common(path: Path, model_config, tensor_parallel_size: int = 1) -> dict
     current = dataclasses.asdict(model_config)
     # Fields that do not change the weights: a resumed or fine-tuned run may set them anew.
     ignore = {"transformer_impl", "recompute_granularity", "recompute_method", "recompute_num_layers",
-              "recompute_modules", "activation_offload_layers", "extra", "seq_length",
+              "recompute_modules", "activation_offload_layers", "cuda_graphs", "extra", "seq_length",
               "attention_dropout", "hidden_dropout"}
     differ = [f"{k}: checkpoint {saved.get(k)!r} vs model {v!r}" for k, v in current.items()
               if k not in ignore and k in saved and saved[k] != v]

@@ -488,10 +488,10 @@ class MegatronStrategy(DDPStrategy):
 
         if not forward_only:
             self.check_training_rows(next(iter(batch.values())).shape[0])
-            config = getattr(self.lightning_module, "model_config", None)
-            if getattr(config, "cuda_graphs", None) is not None:
-                self._graph_shape = check_graph_shape(config, self._graph_shape,
-                                                      next(iter(batch.values())).shape)
+        config = getattr(self.lightning_module, "model_config", None)
+        # graphs are captured by the first training step; evaluation after it replays them too
+        if getattr(config, "cuda_graphs", None) is not None and (not forward_only or self._graph_shape):
+            self._graph_shape = check_graph_shape(config, self._graph_shape, next(iter(batch.values())).shape)
         batch = {k: v.to(self.root_device, non_blocking=True) for k, v in batch.items()}
         micro = self._context_parallel_slices(self.split_microbatches(batch), packed)
         chunks = list(self.lightning_module.chunks)
