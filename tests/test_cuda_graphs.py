@@ -12,7 +12,7 @@ import torch
 
 from lightning_mcore.model.config import to_transformer_config
 from lightning_mcore.strategy.cuda_graphs import (CudaGraphError, check_graph_shape, graph_safe_rng,
-                                                   validate_cuda_graphs)
+                                                   validate_cuda_graphs, validate_graphed_module)
 from lightning_mcore.strategy.parallel import ParallelConfig
 from test_bad_inputs import MODEL, refused, write_config
 from test_memory_options import no_fit  # noqa: F401  (fixture)
@@ -63,6 +63,21 @@ def test_dense_mlp_of_a_mixed_model_is_capturable():
     # moe_layer_freq [0, 1, 1, 1]: the first layer dense, its MLP can be captured
     validate_cuda_graphs(tiny_config(cuda_graphs=["attn", "mlp", "moe_router"], moe_layer_freq=[0, 1, 1, 1], **MOE),
                          "gpu")
+
+
+@pytest.mark.parametrize("module", ["SFTModule", "VisionLanguageSFTModule", "DPOModule", "KTOModule",
+                                    "GRPOModule", "DistillModule", "RewardModule"])
+def test_packed_modules_are_refused(module):
+    """Their packed rows' sequence boundaries change every step; a replay would keep the captured
+    ones. Each module really packs (the flag the strategy reads), and PretrainModule does not."""
+    import lightning_mcore
+
+    assert getattr(lightning_mcore, module).packed_sequences and not lightning_mcore.PretrainModule.packed_sequences
+    with pytest.raises(CudaGraphError, match=f"with {module}: its microbatches are packed rows") as info:
+        validate_graphed_module(tiny_config(cuda_graphs=["attn"]), module, packed=True)
+    assert info.value.fields == ("cuda_graphs",)
+    validate_graphed_module(tiny_config(cuda_graphs=["attn"]), "PretrainModule", packed=False)
+    validate_graphed_module(tiny_config(), module, packed=True)  # graphs off: nothing to refuse
 
 
 def test_another_shape_after_capture_is_refused():

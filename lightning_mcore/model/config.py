@@ -132,7 +132,8 @@ class GPTConfig:
     # parts of every layer are captured in the first training step and replayed after it, so the
     # host stops launching their kernels one by one. mcore's cuda_graph_modules names: "attn",
     # "mlp" (dense layers), "moe_router", "moe_preprocess"; [] captures whole dense layers.
-    # None: off. Every training batch must then have the first one's shape. Experimental: not yet
+    # None: off. Every training batch must then have the first one's shape, in fixed rows
+    # (PretrainModule; modules packing THD rows are refused). Experimental: not yet
     # measured on GPU (benchmarks/RESULTS.md, 2026-11-23 session 6).
     cuda_graphs: Optional[list[str]] = None
     make_vocab_size_divisible_by: int = 128

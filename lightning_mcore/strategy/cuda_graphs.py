@@ -53,6 +53,18 @@ def validate_cuda_graphs(model: "GPTConfig", accelerator: str) -> None:
                              fields=("cuda_graphs", "activation_offload_layers"))
 
 
+def validate_graphed_module(model: "GPTConfig", module: str, packed: bool) -> None:
+    """Graphs replay the captured steps' inputs' layout: a module whose microbatches are packed
+    THD rows (`packed`: SFT, DPO, GRPO, ...) changes its sequence boundaries every step, and its
+    reference, teacher or rollout forwards run outside the captured schedule."""
+    if model.cuda_graphs is not None and packed:
+        raise CudaGraphError(
+            f"cuda_graphs={list(model.cuda_graphs)!r} with {module}: its microbatches are packed rows "
+            f"whose sequence boundaries change every step, which a replayed graph would keep from the "
+            f"capture; leave cuda_graphs unset (graphs suit fixed rows, as PretrainModule's).",
+            fields=("cuda_graphs",))
+
+
 def graph_safe_rng(model: Optional["GPTConfig"], use_te: bool) -> dict:
     """model_parallel_cuda_manual_seed's tracker arguments: a capture must replay the RNG, and
     Transformer Engine's attention accepts only its own tracker inside a capture."""

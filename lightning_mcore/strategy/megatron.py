@@ -31,7 +31,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
-from lightning_mcore.strategy.cuda_graphs import check_graph_shape, graph_safe_rng, validate_cuda_graphs
+from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, validate_cuda_graphs,
+                                                  validate_graphed_module)
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.optimizer import (
@@ -180,6 +181,8 @@ class MegatronStrategy(DDPStrategy):
 
             check_lora_plan(module.lora, model_config, self.uses_te(model_config))
         self.refuse_packed_context_parallel(module)
+        if model_config is not None:
+            validate_graphed_module(model_config, type(module).__name__, getattr(module, "packed_sequences", False))
         if hasattr(module, "check_layout"):  # the module's own needs of the batch (GRPO's groups)
             module.check_layout(self)
 
