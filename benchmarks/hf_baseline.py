@@ -12,8 +12,8 @@ through AttentionInterface under a name with no mask function, so no mask is bui
 is_causal=True (flash kernel), eager or compiled. Under torch.compile, stock "sdpa" materialises a
 [batch, 1, seq, seq] mask (transformers 5.17-5.23 with torch < 2.14 never skip it while tracing, and
 position_ids make it a packed-sequence mask), which rules out the flash kernel (and SDPA's GQA):
-the likely reason this script's compiled runs were slower than its eager ones (inferred from the
-code; not yet measured on GPU). Plain causal attention over each row is mcore's semantics here too.
+the reason this script's compiled runs were slower than its eager ones (on one H100, 1.2B shape,
+micro batch 1: 25.8k tokens/s before, 47.9k with this; benchmarks/RESULTS.md, 2026-11-23 session 6). Plain causal attention over each row is mcore's semantics here too.
 
 Precision (--hf-dtype):
   amp  (default) fp32 weights, grads and AdamW state, forward/backward under torch.autocast(bf16):
