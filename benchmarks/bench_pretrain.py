@@ -354,6 +354,8 @@ def main() -> None:
                          "e.g. moe_permute_fusion=true; repeatable")
     ap.add_argument("--cuda-graphs", default=None, metavar="PARTS",
                     help="GPTConfig.cuda_graphs: comma-separated parts (attn,moe_router,...) or 'layer' (whole)")
+    ap.add_argument("--experts", default="te", choices=["te", "torch"],
+                    help="GPTConfig.moe_grouped_gemm_backend: TE's GroupedLinear or torch's grouped_mm")
     ap.add_argument("--hf-dtype", default="amp", choices=["amp", "bf16", "fp32"],
                     help="hf-eager/hf-compile: precision (hf_baseline.py: amp = fp32 weights + bf16 autocast)")
     ap.add_argument("--hf-experts", default=None, choices=["grouped_mm", "batched_mm", "eager"],
@@ -400,7 +402,7 @@ def main() -> None:
         extra[field] = json.loads(value)
     graphs = None if args.cuda_graphs is None else [] if args.cuda_graphs == "layer" else args.cuda_graphs.split(",")
     cfg = GPTConfig(**shape, seq_length=args.seq, transformer_impl="transformer_engine", fp8=args.fp8,
-                    cuda_graphs=graphs,
+                    cuda_graphs=graphs, moe_grouped_gemm_backend=args.experts,
                     recompute_granularity=args.recompute, extra=extra,
                     **({} if args.recompute_block is None else
                        dict(recompute_method="block", recompute_num_layers=args.recompute_block)))

@@ -161,6 +161,18 @@ CASES = {
         (1, "raw-mbs4-graphs-gc", f"--impl raw {_MOE1} --mbs 4 {_GRAPHS} --manual-gc 10"),
         (1, "lightning-mbs4-graphs-gc", f"--impl lightning {_MOE1} --mbs 4 {_GRAPHS} --manual-gc 10"),
     ],
+    # torch's grouped GEMM with the counts on the GPU (model/torch_experts.py), needing permute
+    # fusion to stay off the host, against TE's on the same settings, then with manual GC
+    "moe-1gpu-torch": [
+        (1, "raw-mbs4-fused", f"--impl raw {_MOE1} --mbs 4 {_FUSED}"),
+        (1, "raw-mbs4-fused-torch", f"--impl raw {_MOE1} --mbs 4 {_FUSED} --experts torch"),
+        (1, "lightning-mbs4-fused-torch", f"--impl lightning {_MOE1} --mbs 4 {_FUSED} --experts torch"),
+        (1, "raw-mbs4-fused-torch-gc", f"--impl raw {_MOE1} --mbs 4 {_FUSED} --experts torch --manual-gc 10"),
+        (1, "raw-mbs2-fused-torch-gc", f"--impl raw {_MOE1} --mbs 2 {_FUSED} --experts torch --manual-gc 10"),
+    ],
+    "moe-1gpu-torch-profile": [
+        (1, "raw-mbs4-fused-torch", f"--impl raw {_MOE1} --mbs 4 {_FUSED} --experts torch --steps 13 --warmup 10 --profile"),
+    ],
     "moe-1gpu-profile": [
         (1, "raw-mbs4-fused-graphs", f"--impl raw {_MOE1} --mbs 4 {_FUSED} {_GRAPHS} --steps 13 --warmup 10 --profile"),
     ],

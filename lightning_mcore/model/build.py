@@ -32,24 +32,31 @@ from lightning_mcore.model.mrope import use_mrope
 from lightning_mcore.model.norm import RMSNorm
 from lightning_mcore.model.post_norm import with_post_norms
 from lightning_mcore.model.rope import apply_rope_scaling
+from lightning_mcore.model.torch_experts import with_torch_experts
 
 
 def layer_spec(cfg: GPTConfig, use_te: bool, moe: Optional[bool] = None):
     """TE spec on GPU; else mcore's local spec with SDPA attention and an SP-capable RMSNorm.
     `moe`: whether this layer's MLP is a mixture of experts (default: the model has experts)."""
     experts = cfg.num_moe_experts if (moe is None or moe) else None
+    spec = _mcore_layer_spec(cfg, use_te, experts)
+    return with_torch_experts(spec) if experts and cfg.torch_experts else spec
+
+
+def _mcore_layer_spec(cfg: GPTConfig, use_te: bool, experts: Optional[int]):
+    grouped = cfg.moe_grouped_gemm and not cfg.torch_experts  # torch's: a SequentialMLP re-run
     if cfg.mla is not None:
         return mla_layer_spec(cfg, use_te, experts)
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts,
-            moe_grouped_gemm=cfg.moe_grouped_gemm,
+            moe_grouped_gemm=grouped,
             qk_layernorm=cfg.qk_layernorm,
         )
     spec = copy.deepcopy(
         get_gpt_layer_local_spec(
             num_experts=experts,
-            moe_grouped_gemm=cfg.moe_grouped_gemm,
+            moe_grouped_gemm=grouped,
             qk_layernorm=cfg.qk_layernorm,
             normalization="RMSNorm",
         )

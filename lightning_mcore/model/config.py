@@ -104,6 +104,10 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_token_dispatcher_type: str = "alltoall"
     moe_grouped_gemm: bool = False
+    # The grouped GEMM's kernel (with moe_grouped_gemm): "te" (Transformer Engine's GroupedLinear:
+    # per-expert token counts on the host, one wait per MoE layer and micro batch) or "torch"
+    # (torch's grouped_mm reads them on the GPU: no wait at one EP rank; model/torch_experts.py).
+    moe_grouped_gemm_backend: Literal["te", "torch"] = "te"
     moe_router_pre_softmax: bool = False
     moe_layer_freq: Union[int, list[int]] = 1  # 1: every layer MoE; a list: 1 MoE, 0 dense
     moe_shared_expert_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
@@ -150,6 +154,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def torch_experts(self) -> bool:
+        """Routed experts on torch's grouped GEMM (model/torch_experts.py)."""
+        return bool(self.num_moe_experts) and self.moe_grouped_gemm and self.moe_grouped_gemm_backend == "torch"
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether 0-based `layer` has an MoE MLP (mcore's moe_layer_freq rule)."""
@@ -301,7 +310,7 @@ def to_transformer_config(
             moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
             moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
-            moe_grouped_gemm=cfg.moe_grouped_gemm,
+            moe_grouped_gemm=cfg.moe_grouped_gemm and not cfg.torch_experts,
             moe_router_pre_softmax=cfg.moe_router_pre_softmax,
             moe_layer_freq=cfg.moe_layer_freq,
             moe_shared_expert_gate=cfg.moe_shared_expert_gate,

@@ -57,7 +57,14 @@ def check_expert_rank(lora: LoRAConfig, model: "GPTConfig") -> None:
 def refuse_grouped_gemm_experts(model: "GPTConfig", uses_te: bool) -> None:
     """Grouped-GEMM experts take adapters as Transformer Engine builds them (TEGroupedMLP, one
     linear per fc with a weight per expert); without TE mcore builds its legacy GroupedMLP,
-    whose experts are bare weight tensors with no linear to hook."""
+    whose experts are bare weight tensors with no linear to hook. torch's grouped GEMM reads the
+    expert linears' weights without calling them: adapters hooked on them would never run."""
+    if model.torch_experts:
+        raise LoRAPlanError(
+            "LoRA on experts with moe_grouped_gemm_backend='torch' is not supported (its grouped "
+            "GEMM reads the expert weights directly, so expert adapters would never run): use "
+            "moe_grouped_gemm_backend='te', or lora.experts=False to keep experts frozen.",
+            lora=("experts",), fields=("moe_grouped_gemm_backend",))
     if (model.moe_grouped_gemm or model.extra.get("moe_grouped_gemm")) and not uses_te:
         raise LoRAPlanError(
             "LoRA on grouped-GEMM experts (moe_grouped_gemm=True) needs Transformer Engine's "

@@ -33,6 +33,7 @@ from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, validate_cuda_graphs,
                                                   validate_graphed_module)
+from lightning_mcore.strategy.expert_gemm import validate_expert_gemm
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.optimizer import (
@@ -154,6 +155,7 @@ class MegatronStrategy(DDPStrategy):
         validate_memory(self.parallel, model_config, optim, accelerator, use_te)
         if model_config is not None:
             validate_cuda_graphs(model_config, accelerator)
+            validate_expert_gemm(self.parallel, model_config)
 
     def _configure_launcher(self) -> None:
         # Lightning calls this when the Trainer is built: the earliest point at which the world

@@ -1,0 +1,129 @@
+"""Routed experts on torch's grouped GEMM, with the per-expert token counts left on the GPU.
+
+mcore's grouped experts (Transformer Engine's GroupedLinear) take the counts as host integers, so
+every MoE layer of every micro batch copies them off the GPU and waits: the host stops queueing
+work until the GPU has caught up to the router. `torch.nn.functional.grouped_mm` reads the
+group boundaries from a device tensor instead. With one expert-parallel rank and expert-TP 1
+nothing else needs the counts on the host (the permutation is sized tokens x top-k in dropless
+routing), so the dispatcher's copy and wait are skipped too; with more ranks the all-to-all
+needs its split sizes on the host anyway and only the expert GEMMs change.
+
+The parameters are a SequentialMLP's (`local_experts.<e>.linear_fc1.weight`, [out, in] each):
+checkpoints, Hugging Face mappings and dist-checkpoint resharding are the ones of mcore's
+other expert layers. Each GEMM stacks them into one [experts, ...] operand, freed after it.
+
+    tokens sorted by expert  ->  x [T, h]        offsets = cumsum(counts)  (device, int32)
+    fc1: grouped_mm(x, W1 [E, h, f(x2 gated)], offsets) -> act * router prob -> fc2 likewise
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
+
+
+class GroupedLinear(torch.autograd.Function):
+    """y[rows of expert e] = x[those rows] @ W_e^T for weights W_e [out, in], the rows of each
+    expert contiguous and ending at `offsets` (device, int32). The experts' weights are stacked
+    for each GEMM and not kept: backward stacks them again rather than hold a copy of every
+    expert's weights per layer until then."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, *weights):
+        ctx.save_for_backward(x, offsets, *weights)
+        return _grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offsets, *weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _grouped_mm(dy, torch.stack(weights), offs=offsets)  # [T, out] @ [E, out, in]
+        dw = _grouped_mm(dy.t(), x, offs=offsets)  # per expert dy_e^T x_e: [E, out, in]
+        return dx, None, *dw.unbind(0)
+
+
+class TorchGroupedMLP(SequentialMLP):
+    """A SequentialMLP computed as two grouped GEMMs whose group offsets stay on the device."""
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor, **unused):
+        x = permuted_local_hidden_states
+        offsets = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
+        fc1 = [e.linear_fc1.weight for e in self.local_experts]
+        fc2 = [e.linear_fc2.weight for e in self.local_experts]
+        intermediate = self._activation(GroupedLinear.apply(x, offsets, *fc1), permuted_probs)
+        return GroupedLinear.apply(intermediate, offsets, *fc2), None
+
+    def _activation(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The activation scaled by each token's router probability, as mcore's expert MLP
+        computes it (its fused SwiGLU where the config fuses, else in the activation's dtype)."""
+        cfg = self.config
+        if cfg.bias_activation_fusion and cfg.activation_func == F.silu and cfg.gated_linear_unit:
+            return weighted_bias_swiglu_impl(x, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store)
+        if cfg.gated_linear_unit:
+            x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+            x = cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
+        else:
+            x = cfg.activation_func(x)
+        return (x * probs.unsqueeze(-1)).to(x.dtype)
+
+    def backward_dw(self):
+        """Weight gradients come from autograd with the rest of the backward."""
+
+
+class DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
+    """mcore's all-to-all dispatcher that hands the experts their counts on the device: no copy
+    to the host and no wait for it. Valid only where nothing else reads them on the host (one
+    EP rank, expert-TP 1, dropless, unpadded); `uses_device_counts` says where that holds."""
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        return tokens_per_expert
+
+
+def uses_device_counts(dispatcher, config) -> bool:
+    return (type(dispatcher) is MoEAlltoAllTokenDispatcher and dispatcher.ep_size == 1
+            and dispatcher.tp_size == 1 and not dispatcher.drop_and_pad
+            and config.moe_expert_capacity_factor is None
+            and not getattr(config, "moe_router_padding_for_quantization", False))
+
+
+class TorchGroupedMoELayer(MoELayer):
+    """mcore's MoE layer whose dispatcher, where the counts need not reach the host, is the
+    DeviceCountsDispatcher (the same object mcore built; only the host copy is left out)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if uses_device_counts(self.token_dispatcher, self.config):
+            self.token_dispatcher.__class__ = DeviceCountsDispatcher
+
+
+def with_torch_experts(spec: ModuleSpec) -> ModuleSpec:
+    """A layer spec whose MoE MLP runs its routed experts on torch's grouped GEMM. `spec` comes
+    from mcore's builders with moe_grouped_gemm=False (a SequentialMLP); its expert linears become
+    mcore's own, as the grouped GEMM reads only their weights. mcore 0.16 writes the MoE MLP as a
+    ModuleSpec, 0.19 as a partial of MoELayer."""
+    spec = copy.deepcopy(spec)
+    sub = spec.submodules
+    mlp = sub.mlp
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
+        mlp.module = TorchGroupedMoELayer
+        mlp.submodules.experts = ModuleSpec(module=TorchGroupedMLP, submodules=linears)
+    elif isinstance(mlp, functools.partial) and mlp.func is MoELayer:
+        moe = dataclasses.replace(mlp.keywords["submodules"],
+                                  experts=functools.partial(TorchGroupedMLP, submodules=linears))
+        sub.mlp = functools.partial(TorchGroupedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    return spec

@@ -1,0 +1,47 @@
+"""Checks on GPTConfig.moe_grouped_gemm_backend='torch', pure, run before any process starts:
+torch's grouped GEMM (model/torch_experts.py) computes whole bf16 experts on one rank's weights,
+so what would shard, quantize or capture them otherwise is refused here, naming the key."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_mcore.strategy.parallel import LayoutError, ParallelConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_mcore.model.config import GPTConfig
+
+
+class ExpertGemmError(LayoutError):
+    what = "expert GEMM setting"
+
+
+def validate_expert_gemm(parallel: ParallelConfig, model: "GPTConfig") -> None:
+    """Raise ExpertGemmError naming the problem and the fix; None when the backend can run."""
+    if model.moe_grouped_gemm_backend != "torch":
+        return
+    key = "moe_grouped_gemm_backend='torch'"
+    if not (model.num_moe_experts and model.moe_grouped_gemm):
+        raise ExpertGemmError(f"{key} picks the grouped GEMM's kernel: it needs a MoE model with "
+                              f"moe_grouped_gemm=True (set it, or leave the backend 'te').",
+                              fields=("moe_grouped_gemm_backend", "moe_grouped_gemm", "num_moe_experts"))
+    ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    if model.hidden_size % 8 or ffn % 8:
+        raise ExpertGemmError(f"{key}: torch's grouped GEMM needs hidden_size ({model.hidden_size}) and "
+                              f"moe_ffn_hidden_size ({ffn}) to be multiples of 8 (16-byte rows); "
+                              f"use backend 'te' for this shape.",
+                              fields=("moe_grouped_gemm_backend", "hidden_size", "moe_ffn_hidden_size"))
+    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
+    if etp > 1:
+        raise ExpertGemmError(f"{key} computes whole experts: expert tensor-parallel size {etp} would "
+                              f"split them; set expert_tensor_parallel_size=1 (experts split over "
+                              f"expert_model_parallel_size instead), or use backend 'te'.",
+                              options=("expert_tensor_parallel_size",), fields=("moe_grouped_gemm_backend",))
+    if model.fp8:
+        raise ExpertGemmError(f"{key} runs the experts in bf16, fp8={model.fp8!r} would leave them "
+                              f"unquantized; use backend 'te' for fp8 experts.",
+                              fields=("moe_grouped_gemm_backend", "fp8"))
+    if "moe_preprocess" in (model.cuda_graphs or ()):
+        raise ExpertGemmError(f"{key} keeps the token counts on the GPU: the cuda_graphs part "
+                              f"'moe_preprocess' (which captures their copy to the host) has nothing "
+                              f"to capture; remove it.", fields=("moe_grouped_gemm_backend", "cuda_graphs"))

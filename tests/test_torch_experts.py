@@ -1,0 +1,94 @@
+"""Routed experts on torch's grouped GEMM (moe_grouped_gemm_backend='torch') train exactly the
+model mcore's SequentialMLP trains: the same initial weights (the same parameter names), losses
+and trained weights, on one process and at EP=2 (CPU, fp32, gloo). The reference is the
+SequentialMLP run, computed here."""
+
+import pytest
+import torch
+
+from lightning_mcore import GPTConfig
+from lightning_mcore.model.lora_checks import LoRAPlanError, check_lora_plan
+from lightning_mcore.strategy.expert_gemm import ExpertGemmError, validate_expert_gemm
+from lightning_mcore.strategy.parallel import ParallelConfig
+from toy import assemble, fit, tiny_config
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def moe(**overrides) -> GPTConfig:
+    return tiny_config(**{**dict(num_moe_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2,
+                                 moe_aux_loss_coeff=0.1), **overrides})
+
+
+def run(tmp, devices, config, name, **parallel):
+    losses = fit(tmp, devices=devices, mbs=1, config=config, dump_weights=True, name=name, **parallel)
+    return (losses, assemble(sorted(tmp.glob(f"{name}.init*.pt"))),
+            assemble(sorted(tmp.glob(f"{name}.end*.pt"))))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("devices,parallel", [(1, {}), (2, dict(expert_model_parallel_size=2))],
+                         ids=["ep1", "ep2"])
+def test_torch_experts_train_as_sequential_mlp(tmp_path, devices, parallel):
+    ref_losses, ref_init, ref_end = run(tmp_path, 1, moe(), "ref")
+    losses, init, end = run(tmp_path, devices, moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"),
+                            "torch", **parallel)
+    assert init.keys() == ref_init.keys()
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in init
+    for key in ref_init:
+        assert torch.equal(init[key], ref_init[key]), key
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert len(losses) == 3 and losses[0] != losses[-1]
+    for key in ref_end:
+        torch.testing.assert_close(end[key], ref_end[key], **TOL, msg=key)
+        if "experts" in key:
+            assert not torch.equal(end[key], init[key]), f"{key} did not train"
+
+
+def _check(message, **kw):
+    parallel = kw.pop("parallel", ParallelConfig())
+    with pytest.raises(ExpertGemmError, match=message):
+        validate_expert_gemm(parallel, moe(moe_grouped_gemm_backend="torch", **kw))
+
+
+def test_refusals_name_the_key():
+    validate_expert_gemm(ParallelConfig(), moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"))
+    validate_expert_gemm(ParallelConfig(tensor_model_parallel_size=2), moe(moe_grouped_gemm=True))
+    _check("moe_grouped_gemm=True")
+    _check("expert_tensor_parallel_size=1", moe_grouped_gemm=True,
+           parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+    validate_expert_gemm(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                                        expert_tensor_parallel_size=1),
+                         moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"))
+    _check("fp8", moe_grouped_gemm=True, fp8="current")
+    _check("multiples of 8", moe_grouped_gemm=True, moe_ffn_hidden_size=60)
+    _check("moe_preprocess", moe_grouped_gemm=True, cuda_graphs=["attn", "moe_router", "moe_preprocess"])
+
+
+def test_device_counts_only_at_one_expert_rank():
+    """The dispatcher keeps the counts on the device only where nothing reads them on the host."""
+    from lightning_mcore.model.torch_experts import uses_device_counts
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    class Fake(MoEAlltoAllTokenDispatcher):
+        def __init__(self, ep, tp, drop_and_pad=False):
+            self.ep_size, self.tp_size, self.drop_and_pad = ep, tp, drop_and_pad
+
+    cfg = type("Cfg", (), {"moe_expert_capacity_factor": None})()
+    assert not uses_device_counts(Fake(1, 1), cfg)  # a subclass: not the dispatcher mcore built
+    base = MoEAlltoAllTokenDispatcher.__new__(MoEAlltoAllTokenDispatcher)
+    for ep, tp, drop, cap, expected in [(1, 1, False, None, True), (2, 1, False, None, False),
+                                        (1, 2, False, None, False), (1, 1, True, 1.0, False),
+                                        (1, 1, False, 1.0, False)]:
+        base.ep_size, base.tp_size, base.drop_and_pad = ep, tp, drop
+        cfg.moe_expert_capacity_factor = cap
+        assert uses_device_counts(base, cfg) is expected, (ep, tp, drop, cap)
+
+
+def test_lora_on_torch_experts_is_refused():
+    from lightning_mcore.model.lora import LoRAConfig
+
+    torch_moe = moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch")
+    with pytest.raises(LoRAPlanError, match="moe_grouped_gemm_backend='torch'"):
+        check_lora_plan(LoRAConfig(rank=4, experts=True), torch_moe, uses_te=True)
+    check_lora_plan(LoRAConfig(rank=4, experts=False), torch_moe, uses_te=True)  # experts frozen: fine
