@@ -170,6 +170,13 @@ CASES = {
         (1, "raw-mbs4-fused-torch-gc", f"--impl raw {_MOE1} --mbs 4 {_FUSED} --experts torch --manual-gc 10"),
         (1, "raw-mbs2-fused-torch-gc", f"--impl raw {_MOE1} --mbs 2 {_FUSED} --experts torch --manual-gc 10"),
     ],
+    # Qwen3-30B-A3B's own layer shape (128 experts, top-8), 4 layers on one GPU, TE's and torch's experts
+    "moe30b-1gpu": [
+        (1, f"raw-mbs{mbs}-fused{tag}", f"--impl raw --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
+                                         f"--warmup 6 --mbs {mbs} {_FUSED}{flag}")
+        for mbs, tag, flag in ((2, "", ""), (2, "-torch", " --experts torch"), (4, "-torch", " --experts torch"))
+    ] + [(1, "lightning-mbs4-fused-torch", "--impl lightning --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
+                                           f"--warmup 6 --mbs 4 {_FUSED} --experts torch")],
     "moe-1gpu-torch-profile": [
         (1, "raw-mbs4-fused-torch", f"--impl raw {_MOE1} --mbs 4 {_FUSED} --experts torch --steps 13 --warmup 10 --profile"),
     ],

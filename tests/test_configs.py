@@ -271,7 +271,8 @@ def test_qwen3_30b_a3b_sft(tmp_path, hf_stubs):
     assert mc.moe_grouped_gemm and mc.moe_token_dispatcher_type == "alltoall"
     assert mc.recompute_granularity in ("full", "selective")
     tf = s.transformer_config(mc)
-    assert tf.moe_grouped_gemm and tf.moe_token_dispatcher_type == "alltoall"
+    # grouped GEMM on torch's kernel ('auto'): mcore builds its SequentialMLP parameters, we compute
+    assert mc.torch_experts and not tf.moe_grouped_gemm and tf.moe_token_dispatcher_type == "alltoall"
     assert (tf.expert_model_parallel_size, tf.expert_tensor_parallel_size) == (4, 1)
     assert tf.num_moe_experts == 128 and tf.moe_aux_loss_coeff > 0
 

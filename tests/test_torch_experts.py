@@ -12,7 +12,7 @@ from lightning_mcore.strategy.expert_gemm import ExpertGemmError, validate_exper
 from lightning_mcore.strategy.parallel import ParallelConfig
 from toy import assemble, fit, tiny_config
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = dict(rtol=0, atol=1e-5)  # as test_moe_layouts.py: Adam steps on reductions in another order
 
 
 def moe(**overrides) -> GPTConfig:
@@ -27,12 +27,15 @@ def run(tmp, devices, config, name, **parallel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("devices,parallel", [(1, {}), (2, dict(expert_model_parallel_size=2))],
-                         ids=["ep1", "ep2"])
-def test_torch_experts_train_as_sequential_mlp(tmp_path, devices, parallel):
-    ref_losses, ref_init, ref_end = run(tmp_path, 1, moe(), "ref")
-    losses, init, end = run(tmp_path, devices, moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"),
-                            "torch", **parallel)
+@pytest.mark.parametrize("devices,parallel,aux", [
+    (1, {}, 0.1), (2, dict(expert_model_parallel_size=2), 0.1),
+    # expert-TP 2: each rank's grouped GEMMs on its shards of every expert (no aux loss: mcore
+    # 0.16 scales its gradient by one TP rank's tokens under SP, see test_moe_layouts.py)
+    (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), 0.0)], ids=["ep1", "ep2", "etp2"])
+def test_torch_experts_train_as_sequential_mlp(tmp_path, devices, parallel, aux):
+    ref_losses, ref_init, ref_end = run(tmp_path, 1, moe(moe_aux_loss_coeff=aux), "ref")
+    losses, init, end = run(tmp_path, devices, moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch",
+                                                   moe_aux_loss_coeff=aux), "torch", **parallel)
     assert init.keys() == ref_init.keys()
     assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in init
     for key in ref_init:
@@ -55,11 +58,6 @@ def test_refusals_name_the_key():
     validate_expert_gemm(ParallelConfig(), moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"))
     validate_expert_gemm(ParallelConfig(tensor_model_parallel_size=2), moe(moe_grouped_gemm=True))
     _check("moe_grouped_gemm=True")
-    _check("expert_tensor_parallel_size=1", moe_grouped_gemm=True,
-           parallel=ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True))
-    validate_expert_gemm(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
-                                        expert_tensor_parallel_size=1),
-                         moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"))
     _check("fp8", moe_grouped_gemm=True, fp8="current")
     _check("multiples of 8", moe_grouped_gemm=True, moe_ffn_hidden_size=60)
     _check("moe_preprocess", moe_grouped_gemm=True, cuda_graphs=["attn", "moe_router", "moe_preprocess"])
@@ -92,3 +90,46 @@ def test_lora_on_torch_experts_is_refused():
     with pytest.raises(LoRAPlanError, match="moe_grouped_gemm_backend='torch'"):
         check_lora_plan(LoRAConfig(rank=4, experts=True), torch_moe, uses_te=True)
     check_lora_plan(LoRAConfig(rank=4, experts=False), torch_moe, uses_te=True)  # experts frozen: fine
+
+
+def test_auto_picks_torch_where_it_runs():
+    """'auto' (the default) is torch's kernel unless a setting needs TE's; LoRA on experts
+    resolves it to 'te' in the module, an explicit 'te' stays TE's."""
+    from lightning_mcore.model.lora import LoRAConfig
+    from lightning_mcore.model.lora_checks import expert_backend_for_lora
+
+    grouped = moe(moe_grouped_gemm=True)
+    assert grouped.moe_grouped_gemm_backend == "auto" and grouped.torch_experts
+    assert not moe().torch_experts  # no grouped GEMM: mcore's SequentialMLP loop
+    assert not moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="te").torch_experts
+    for needs_te in (dict(fp8="delayed"), dict(moe_ffn_hidden_size=60),
+                     dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
+                     dict(cuda_graphs=["attn", "moe_router", "moe_preprocess"])):
+        assert not moe(moe_grouped_gemm=True, **needs_te).torch_experts, needs_te
+        validate_expert_gemm(ParallelConfig(), moe(moe_grouped_gemm=True, **needs_te))  # auto: no refusal
+    lora_experts = expert_backend_for_lora(LoRAConfig(rank=4), grouped)
+    assert lora_experts.moe_grouped_gemm_backend == "te" and not lora_experts.torch_experts
+    assert expert_backend_for_lora(LoRAConfig(rank=4, experts=False), grouped) is grouped
+    assert expert_backend_for_lora(None, grouped) is grouped
+
+
+def test_torch_experts_reach_mcore_as_sequential_mlp():
+    """mcore builds SequentialMLP parameters (moe_grouped_gemm off in its config)."""
+    from lightning_mcore.model.config import to_transformer_config
+
+    tf = to_transformer_config(moe(moe_grouped_gemm=True), ParallelConfig(), torch.float32, on_cpu=True, use_te=False)
+    assert not tf.moe_grouped_gemm and tf.num_moe_experts == 4
+
+
+def test_with_te_the_permutation_runs_fused():
+    """With TE the permutation and router run fused, which keeps the expert sort on the device
+    (run where Transformer Engine is installed: the GPU machine)."""
+    pytest.importorskip("transformer_engine")
+    from lightning_mcore.model.config import to_transformer_config
+
+    tf = to_transformer_config(moe(moe_grouped_gemm=True), ParallelConfig(), torch.bfloat16,
+                               on_cpu=False, use_te=True)
+    assert not tf.moe_grouped_gemm and tf.moe_permute_fusion
+    te = to_transformer_config(moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="te"), ParallelConfig(),
+                               torch.bfloat16, on_cpu=False, use_te=True)
+    assert te.moe_grouped_gemm and not te.moe_permute_fusion

@@ -104,10 +104,13 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_token_dispatcher_type: str = "alltoall"
     moe_grouped_gemm: bool = False
-    # The grouped GEMM's kernel (with moe_grouped_gemm): "te" (Transformer Engine's GroupedLinear:
-    # per-expert token counts on the host, one wait per MoE layer and micro batch) or "torch"
-    # (torch's grouped_mm reads them on the GPU: no wait at one EP rank; model/torch_experts.py).
-    moe_grouped_gemm_backend: Literal["te", "torch"] = "te"
+    # The grouped GEMM's kernel (with moe_grouped_gemm): "torch" (torch's grouped_mm reads the
+    # per-expert token counts on the GPU: no host wait at one EP rank; model/torch_experts.py), "te"
+    # (Transformer Engine's GroupedLinear: counts on the host, one wait per MoE layer and micro
+    # batch), or "auto": torch's where it runs (not fp8, hidden and expert FFN sizes multiples of
+    # 8, no 'moe_preprocess' graph, no 'moe_act' recompute, no LoRA on experts), else TE's. 2.3-2.8x the tokens/s of TE's
+    # on one H100 (benchmarks/RESULTS.md, session 7).
+    moe_grouped_gemm_backend: Literal["auto", "te", "torch"] = "auto"
     moe_router_pre_softmax: bool = False
     moe_layer_freq: Union[int, list[int]] = 1  # 1: every layer MoE; a list: 1 MoE, 0 dense
     moe_shared_expert_gate: bool = False  # the shared expert's output scaled by a sigmoid gate
@@ -158,7 +161,17 @@ class GPTConfig:
     @property
     def torch_experts(self) -> bool:
         """Routed experts on torch's grouped GEMM (model/torch_experts.py)."""
-        return bool(self.num_moe_experts) and self.moe_grouped_gemm and self.moe_grouped_gemm_backend == "torch"
+        if not (self.num_moe_experts and self.moe_grouped_gemm) or self.moe_grouped_gemm_backend == "te":
+            return False
+        return self.moe_grouped_gemm_backend == "torch" or self.torch_experts_can_run()
+
+    def torch_experts_can_run(self) -> bool:
+        """What moe_grouped_gemm_backend='auto' needs for torch's grouped GEMM (LoRA on experts
+        resolves 'auto' to 'te' before: model/lora_checks.py)."""
+        ffn = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        return (self.fp8 is None and self.hidden_size % 8 == 0 and ffn % 8 == 0
+                and "moe_preprocess" not in (self.cuda_graphs or ())
+                and "moe_act" not in (self.recompute_modules or ()))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether 0-based `layer` has an MoE MLP (mcore's moe_layer_freq rule)."""
@@ -320,6 +333,10 @@ def to_transformer_config(
             moe_router_group_topk=cfg.moe_router_group_topk,
             moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         )
+        if use_te and cfg.torch_experts:
+            # TE's fused permutation sorts by expert on the device (mcore's unfused sort reads the
+            # counts on the host); both fusions as measured with torch's experts
+            kwargs.update(moe_permute_fusion=True, moe_router_fusion=True)
     config_class = TransformerConfig
     if cfg.mla is not None:
         config_class = MLATransformerConfig

@@ -7,7 +7,8 @@ apply_lora (model/lora.py) keeps the same checks on the built modules, as a seco
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Optional
 
 from lightning_mcore.model.lora import LoRAConfig, LoRAError, adapts_experts
 
@@ -54,12 +55,20 @@ def check_expert_rank(lora: LoRAConfig, model: "GPTConfig") -> None:
             lora=("rank", "experts"), fields=("hidden_size", "moe_ffn_hidden_size"))
 
 
+def expert_backend_for_lora(lora: Optional[LoRAConfig], model: "GPTConfig") -> "GPTConfig":
+    """`model` with moe_grouped_gemm_backend='auto' resolved to 'te' when `lora` adapts routed
+    experts: adapters hook the experts' linears, which torch's grouped GEMM does not call."""
+    if lora is None or model.moe_grouped_gemm_backend != "auto" or not adapts_experts(lora, model):
+        return model
+    return dataclasses.replace(model, moe_grouped_gemm_backend="te")
+
+
 def refuse_grouped_gemm_experts(model: "GPTConfig", uses_te: bool) -> None:
     """Grouped-GEMM experts take adapters as Transformer Engine builds them (TEGroupedMLP, one
     linear per fc with a weight per expert); without TE mcore builds its legacy GroupedMLP,
     whose experts are bare weight tensors with no linear to hook. torch's grouped GEMM reads the
     expert linears' weights without calling them: adapters hooked on them would never run."""
-    if model.torch_experts:
+    if model.moe_grouped_gemm_backend == "torch" and model.torch_experts:  # 'auto' becomes 'te' (above)
         raise LoRAPlanError(
             "LoRA on experts with moe_grouped_gemm_backend='torch' is not supported (its grouped "
             "GEMM reads the expert weights directly, so expert adapters would never run): use "

@@ -20,6 +20,7 @@ from lightning_mcore.hf.load import load_hf_weights
 from lightning_mcore.model import generation, inference
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.model.lora_checks import expert_backend_for_lora
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
@@ -70,6 +71,7 @@ class MegatronModule(L.LightningModule):
             )
         self.optim = optim or OptimizerSettings()
         self.lora = lora  # LoRA adapters on the frozen base (model/lora.py), or None
+        self.model_config = expert_backend_for_lora(lora, self.model_config)
         self.chunks: Optional[torch.nn.ModuleList] = None
 
     def _strategy(self):

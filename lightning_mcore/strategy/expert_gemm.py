@@ -1,6 +1,7 @@
 """Checks on GPTConfig.moe_grouped_gemm_backend='torch', pure, run before any process starts:
-torch's grouped GEMM (model/torch_experts.py) computes whole bf16 experts on one rank's weights,
-so what would shard, quantize or capture them otherwise is refused here, naming the key."""
+torch's grouped GEMM (model/torch_experts.py) computes the experts in bf16 from their weights, so
+what would quantize them, or capture the host copy it removes, is refused here, naming the key
+('auto' picks TE's kernel in these cases instead)."""
 
 from __future__ import annotations
 
@@ -31,16 +32,14 @@ def validate_expert_gemm(parallel: ParallelConfig, model: "GPTConfig") -> None:
                               f"moe_ffn_hidden_size ({ffn}) to be multiples of 8 (16-byte rows); "
                               f"use backend 'te' for this shape.",
                               fields=("moe_grouped_gemm_backend", "hidden_size", "moe_ffn_hidden_size"))
-    etp = parallel.expert_tensor_parallel_size or parallel.tensor_model_parallel_size
-    if etp > 1:
-        raise ExpertGemmError(f"{key} computes whole experts: expert tensor-parallel size {etp} would "
-                              f"split them; set expert_tensor_parallel_size=1 (experts split over "
-                              f"expert_model_parallel_size instead), or use backend 'te'.",
-                              options=("expert_tensor_parallel_size",), fields=("moe_grouped_gemm_backend",))
     if model.fp8:
         raise ExpertGemmError(f"{key} runs the experts in bf16, fp8={model.fp8!r} would leave them "
                               f"unquantized; use backend 'te' for fp8 experts.",
                               fields=("moe_grouped_gemm_backend", "fp8"))
+    if "moe_act" in (model.recompute_modules or ()):
+        raise ExpertGemmError(f"{key} has no 'moe_act' recompute (TE's experts do); remove it from "
+                              f"recompute_modules or use backend 'te'.",
+                              fields=("moe_grouped_gemm_backend", "recompute_modules"))
     if "moe_preprocess" in (model.cuda_graphs or ()):
         raise ExpertGemmError(f"{key} keeps the token counts on the GPU: the cuda_graphs part "
                               f"'moe_preprocess' (which captures their copy to the host) has nothing "
