@@ -440,7 +440,7 @@ def main() -> None:
             "fp8": args.fp8, "fp8_amax": args.fp8_amax,
             "recompute": args.recompute, "recompute_block": args.recompute_block,
             "moe_capacity": args.moe_capacity, "pinned_cpus_rank0": pinned, "layers": cfg.num_layers,
-            "set": args.set, "cuda_graphs": args.cuda_graphs, "manual_gc": args.manual_gc,
+            "set": args.set, "cuda_graphs": args.cuda_graphs, "manual_gc": args.manual_gc, "experts": args.experts,
             "init_device_context": args.init_device_context or (args.impl == "lightning"
                                                                 and not args.no_init_device_context),
             "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,

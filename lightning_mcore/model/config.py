@@ -108,8 +108,8 @@ class GPTConfig:
     # per-expert token counts on the GPU: no host wait at one EP rank; model/torch_experts.py), "te"
     # (Transformer Engine's GroupedLinear: counts on the host, one wait per MoE layer and micro
     # batch), or "auto": torch's where it runs (not fp8, hidden and expert FFN sizes multiples of
-    # 8, no 'moe_preprocess' graph, no 'moe_act' recompute, no LoRA on experts), else TE's. 2.3-2.8x the tokens/s of TE's
-    # on one H100 (benchmarks/RESULTS.md, session 7).
+    # 8, no 'moe_preprocess' graph, no 'moe_act' recompute, no LoRA on experts), else TE's.
+    # torch's ran 2.3-2.4x the tokens/s of TE's on one H100 (benchmarks/RESULTS.md, session 7).
     moe_grouped_gemm_backend: Literal["auto", "te", "torch"] = "auto"
     moe_router_pre_softmax: bool = False
     moe_layer_freq: Union[int, list[int]] = 1  # 1: every layer MoE; a list: 1 MoE, 0 dense
