@@ -27,15 +27,19 @@ def run(tmp, devices, config, name, **parallel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("devices,parallel,aux", [
-    (1, {}, 0.1), (2, dict(expert_model_parallel_size=2), 0.1),
+@pytest.mark.parametrize("devices,parallel,model", [
+    (1, {}, dict(moe_aux_loss_coeff=0.1)),
+    (2, dict(expert_model_parallel_size=2), dict(moe_aux_loss_coeff=0.1)),
     # expert-TP 2: each rank's grouped GEMMs on its shards of every expert (no aux loss: mcore
     # 0.16 scales its gradient by one TP rank's tokens under SP, see test_moe_layouts.py)
-    (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), 0.0)], ids=["ep1", "ep2", "etp2"])
-def test_torch_experts_train_as_sequential_mlp(tmp_path, devices, parallel, aux):
-    ref_losses, ref_init, ref_end = run(tmp_path, 1, moe(moe_aux_loss_coeff=aux), "ref")
+    (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(moe_aux_loss_coeff=0.0)),
+    # top-1 routing with the probability applied to the expert's input (mcore's option)
+    (1, {}, dict(moe_router_topk=1, moe_router_pre_softmax=True, extra={"moe_apply_probs_on_input": True}))],
+    ids=["ep1", "ep2", "etp2", "probs_on_input"])
+def test_torch_experts_train_as_sequential_mlp(tmp_path, devices, parallel, model):
+    ref_losses, ref_init, ref_end = run(tmp_path, 1, moe(**model), "ref")
     losses, init, end = run(tmp_path, devices, moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch",
-                                                   moe_aux_loss_coeff=aux), "torch", **parallel)
+                                                   **model), "torch", **parallel)
     assert init.keys() == ref_init.keys()
     assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in init
     for key in ref_init:
@@ -49,14 +53,13 @@ def test_torch_experts_train_as_sequential_mlp(tmp_path, devices, parallel, aux)
 
 
 def _check(message, **kw):
-    parallel = kw.pop("parallel", ParallelConfig())
     with pytest.raises(ExpertGemmError, match=message):
-        validate_expert_gemm(parallel, moe(moe_grouped_gemm_backend="torch", **kw))
+        validate_expert_gemm(moe(moe_grouped_gemm_backend="torch", **kw))
 
 
 def test_refusals_name_the_key():
-    validate_expert_gemm(ParallelConfig(), moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"))
-    validate_expert_gemm(ParallelConfig(tensor_model_parallel_size=2), moe(moe_grouped_gemm=True))
+    validate_expert_gemm(moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"))
+    validate_expert_gemm(moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="te"))
     _check("moe_grouped_gemm=True")
     _check("fp8", moe_grouped_gemm=True, fp8="current")
     _check("multiples of 8", moe_grouped_gemm=True, moe_ffn_hidden_size=60)
@@ -106,7 +109,7 @@ def test_auto_picks_torch_where_it_runs():
                      dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
                      dict(cuda_graphs=["attn", "moe_router", "moe_preprocess"])):
         assert not moe(moe_grouped_gemm=True, **needs_te).torch_experts, needs_te
-        validate_expert_gemm(ParallelConfig(), moe(moe_grouped_gemm=True, **needs_te))  # auto: no refusal
+        validate_expert_gemm(moe(moe_grouped_gemm=True, **needs_te))  # auto: no refusal
     lora_experts = expert_backend_for_lora(LoRAConfig(rank=4), grouped)
     assert lora_experts.moe_grouped_gemm_backend == "te" and not lora_experts.torch_experts
     assert expert_backend_for_lora(LoRAConfig(rank=4, experts=False), grouped) is grouped

@@ -35,7 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
 
 
-class GroupedLinear(torch.autograd.Function):
+class GroupedExpertLinear(torch.autograd.Function):
     """y[rows of expert e] = x[those rows] @ W_e^T for weights W_e [out, in], the rows of each
     expert contiguous and ending at `offsets` (device, int32). The experts' weights are stacked
     for each GEMM and not kept: backward stacks them again rather than hold a copy of every
@@ -60,12 +60,14 @@ class TorchGroupedMLP(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor, **unused):
-        x = permuted_local_hidden_states
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:  # top-1 routing scales the input instead (mcore's rule)
+            x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), torch.ones_like(probs)
         offsets = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        intermediate = self._activation(GroupedLinear.apply(x, offsets, *fc1), permuted_probs)
-        return GroupedLinear.apply(intermediate, offsets, *fc2), None
+        intermediate = self._activation(GroupedExpertLinear.apply(x, offsets, *fc1), probs)
+        return GroupedExpertLinear.apply(intermediate, offsets, *fc2), None
 
     def _activation(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The activation scaled by each token's router probability, as mcore's expert MLP
@@ -75,6 +77,8 @@ class TorchGroupedMLP(SequentialMLP):
             return weighted_bias_swiglu_impl(x, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store)
         if cfg.gated_linear_unit:
             x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+            if (clamp := getattr(cfg, "activation_func_clamp_value", None)) is not None:
+                x_glu, x_linear = x_glu.clamp(max=clamp), x_linear.clamp(min=-clamp, max=clamp)
             x = cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
         else:
             x = cfg.activation_func(x)

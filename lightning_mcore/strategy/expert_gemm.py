@@ -1,13 +1,13 @@
 """Checks on GPTConfig.moe_grouped_gemm_backend='torch', pure, run before any process starts:
-torch's grouped GEMM (model/torch_experts.py) computes the experts in bf16 from their weights, so
-what would quantize them, or capture the host copy it removes, is refused here, naming the key
-('auto' picks TE's kernel in these cases instead)."""
+torch's grouped GEMM (model/torch_experts.py) computes the experts unquantized from their weights,
+so what would quantize them, recompute inside them or capture the host copy it removes is refused
+here, naming the key ('auto' picks TE's kernel in these cases instead)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_mcore.strategy.parallel import LayoutError, ParallelConfig
+from lightning_mcore.strategy.parallel import LayoutError
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_mcore.model.config import GPTConfig
@@ -17,7 +17,7 @@ class ExpertGemmError(LayoutError):
     what = "expert GEMM setting"
 
 
-def validate_expert_gemm(parallel: ParallelConfig, model: "GPTConfig") -> None:
+def validate_expert_gemm(model: "GPTConfig") -> None:
     """Raise ExpertGemmError naming the problem and the fix; None when the backend can run."""
     if model.moe_grouped_gemm_backend != "torch":
         return
@@ -33,8 +33,8 @@ def validate_expert_gemm(parallel: ParallelConfig, model: "GPTConfig") -> None:
                               f"use backend 'te' for this shape.",
                               fields=("moe_grouped_gemm_backend", "hidden_size", "moe_ffn_hidden_size"))
     if model.fp8:
-        raise ExpertGemmError(f"{key} runs the experts in bf16, fp8={model.fp8!r} would leave them "
-                              f"unquantized; use backend 'te' for fp8 experts.",
+        raise ExpertGemmError(f"{key} runs the experts unquantized: fp8={model.fp8!r} would not reach "
+                              f"them; use backend 'te' for fp8 experts.",
                               fields=("moe_grouped_gemm_backend", "fp8"))
     if "moe_act" in (model.recompute_modules or ()):
         raise ExpertGemmError(f"{key} has no 'moe_act' recompute (TE's experts do); remove it from "

@@ -155,7 +155,7 @@ class MegatronStrategy(DDPStrategy):
         validate_memory(self.parallel, model_config, optim, accelerator, use_te)
         if model_config is not None:
             validate_cuda_graphs(model_config, accelerator)
-            validate_expert_gemm(self.parallel, model_config)
+            validate_expert_gemm(model_config)
 
     def _configure_launcher(self) -> None:
         # Lightning calls this when the Trainer is built: the earliest point at which the world
