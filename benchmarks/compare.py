@@ -178,8 +178,9 @@ CASES = {
     ] + [(1, "lightning-mbs4-fused-torch", "--impl lightning --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
                                            f"--warmup 6 --mbs 4 {_FUSED} --experts torch")],
     "moe-1gpu-torch-profile": [  # where lightning's step differs from raw's (profiles/moe-1gpu-torch-profile_LABEL/)
-        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE1} --mbs 4 {_FUSED} --experts torch --steps 13 --warmup 10 --profile")
-        for impl in ("raw", "lightning")
+        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} {_MOE1} --mbs 4 {_FUSED} --experts torch --steps 13 "
+                                             f"--warmup 10 {flag}")
+        for tag, flag in (("", "--profile"), ("-py", "--pyprofile")) for impl in ("raw", "lightning")
     ],
     "moe-1gpu-profile": [
         (1, "raw-mbs4-fused-graphs", f"--impl raw {_MOE1} --mbs 4 {_FUSED} {_GRAPHS} --steps 13 --warmup 10 --profile"),
