@@ -177,6 +177,12 @@ CASES = {
         for mbs, tag, flag in ((2, "", ""), (2, "-torch", " --experts torch"), (4, "-torch", " --experts torch"))
     ] + [(1, "lightning-mbs4-fused-torch", "--impl lightning --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
                                            f"--warmup 6 --mbs 4 {_FUSED} --experts torch")],
+    # CUDA graphs of attention and router (TE's RNG tracker) on top of torch's experts
+    "moe-1gpu-torch-graphs": [
+        (1, f"{impl}-mbs4-fused-torch-graphs", f"--impl {impl} {_MOE1} --mbs 4 {_FUSED} --experts torch "
+                                               f"--cuda-graphs attn,moe_router")
+        for impl in ("raw", "lightning")
+    ],
     "moe-1gpu-torch-profile": [  # where lightning's step differs from raw's (profiles/moe-1gpu-torch-profile_LABEL/)
         (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} {_MOE1} --mbs 4 {_FUSED} --experts torch --steps 13 "
                                              f"--warmup 10 {flag}")
