@@ -140,8 +140,8 @@ class GPTConfig:
     # host stops launching their kernels one by one. mcore's cuda_graph_modules names: "attn",
     # "mlp" (dense layers), "moe_router", "moe_preprocess"; [] captures whole dense layers.
     # None: off. Every training batch must then have the first one's shape, in fixed rows
-    # (PretrainModule; modules packing THD rows are refused). Experimental: not yet
-    # measured on GPU (benchmarks/RESULTS.md, 2026-11-23 session 6).
+    # (PretrainModule; modules packing THD rows are refused). Experimental: ["attn", "moe_router"]
+    # ran on one H100 with torch's experts, 3-8% faster (benchmarks/RESULTS.md, session 7).
     cuda_graphs: Optional[list[str]] = None
     make_vocab_size_divisible_by: int = 128
     extra: dict[str, Any] = field(default_factory=dict)  # any other TransformerConfig field
