@@ -63,6 +63,7 @@ def test_refusals_name_the_key():
     _check("moe_grouped_gemm=True")
     _check("fp8", moe_grouped_gemm=True, fp8="current")
     _check("multiples of 8", moe_grouped_gemm=True, moe_ffn_hidden_size=60)
+    _check("add_bias_linear", moe_grouped_gemm=True, extra={"add_bias_linear": True})
     _check("moe_preprocess", moe_grouped_gemm=True, cuda_graphs=["attn", "moe_router", "moe_preprocess"])
 
 
@@ -105,7 +106,7 @@ def test_auto_picks_torch_where_it_runs():
     assert grouped.moe_grouped_gemm_backend == "auto" and grouped.torch_experts
     assert not moe().torch_experts  # no grouped GEMM: mcore's SequentialMLP loop
     assert not moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="te").torch_experts
-    for needs_te in (dict(fp8="delayed"), dict(moe_ffn_hidden_size=60),
+    for needs_te in (dict(fp8="delayed"), dict(moe_ffn_hidden_size=60), dict(extra={"add_bias_linear": True}),
                      dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
                      dict(cuda_graphs=["attn", "moe_router", "moe_preprocess"])):
         assert not moe(moe_grouped_gemm=True, **needs_te).torch_experts, needs_te

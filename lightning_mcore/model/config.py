@@ -108,7 +108,8 @@ class GPTConfig:
     # per-expert token counts on the GPU: no host wait at one EP rank; model/torch_experts.py), "te"
     # (Transformer Engine's GroupedLinear: counts on the host, one wait per MoE layer and micro
     # batch), or "auto": torch's where it runs (not fp8, hidden and expert FFN sizes multiples of
-    # 8, no 'moe_preprocess' graph, no 'moe_act' recompute, no LoRA on experts), else TE's.
+    # 8, no expert biases, no 'moe_preprocess' graph, no 'moe_act' recompute, no LoRA on
+    # experts), else TE's.
     # torch's ran 2.3-2.4x the tokens/s of TE's on one H100 (benchmarks/RESULTS.md, session 7).
     moe_grouped_gemm_backend: Literal["auto", "te", "torch"] = "auto"
     moe_router_pre_softmax: bool = False
@@ -170,6 +171,7 @@ class GPTConfig:
         resolves 'auto' to 'te' before: model/lora_checks.py)."""
         ffn = self.moe_ffn_hidden_size or self.ffn_hidden_size
         return (self.fp8 is None and self.hidden_size % 8 == 0 and ffn % 8 == 0
+                and not self.extra.get("add_bias_linear")
                 and "moe_preprocess" not in (self.cuda_graphs or ())
                 and "moe_act" not in (self.recompute_modules or ()))
 

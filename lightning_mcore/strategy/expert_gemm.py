@@ -32,6 +32,10 @@ def validate_expert_gemm(model: "GPTConfig") -> None:
                               f"moe_ffn_hidden_size ({ffn}) to be multiples of 8 (16-byte rows); "
                               f"use backend 'te' for this shape.",
                               fields=("moe_grouped_gemm_backend", "hidden_size", "moe_ffn_hidden_size"))
+    if model.extra.get("add_bias_linear"):
+        raise ExpertGemmError(f"{key} computes the experts without biases; extra.add_bias_linear=True "
+                              f"would leave them out. Use backend 'te'.",
+                              fields=("moe_grouped_gemm_backend", "extra"))
     if model.fp8:
         raise ExpertGemmError(f"{key} runs the experts unquantized: fp8={model.fp8!r} would not reach "
                               f"them; use backend 'te' for fp8 experts.",
