@@ -1,7 +1,8 @@
 """Routed experts on torch's grouped GEMM (moe_grouped_gemm_backend='torch') train exactly the
 model mcore's SequentialMLP trains: the same initial weights (the same parameter names), losses
-and trained weights, on one process and at EP=2 (CPU, fp32, gloo). The reference is the
-SequentialMLP run, computed here."""
+and trained weights, on one process, at EP=2, at expert-TP 2 and with top-1 probabilities on
+the input (CPU, fp32, gloo). The reference is the one-process SequentialMLP run, computed here.
+Plus what 'auto' picks, the refusals, and the config mcore receives."""
 
 import pytest
 import torch
