@@ -138,3 +138,18 @@ def test_with_te_the_permutation_runs_fused():
     te = to_transformer_config(moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="te"), ParallelConfig(),
                                torch.bfloat16, on_cpu=False, use_te=True)
     assert te.moe_grouped_gemm and not te.moe_permute_fusion
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", "tp1"), ("qwen3_moe", "ep2"), ("mixtral", "tp2_sp"),
+                                           ("deepseek_v3", "tp1")])
+def test_hf_logits_and_export_with_torch_experts(family, layout, tmp_path):
+    """Weights from transformers' checkpoint into torch's experts give transformers' logits, and
+    export back bit-identical (multi-latent attention's layer spec included)."""
+    from test_hf_roundtrip import check_logits_and_export
+
+    from lightning_mcore.models import gpt_config_from_hf
+
+    check_logits_and_export(family, layout, tmp_path, model_overrides={"moe_grouped_gemm": True})
+    config, _ = gpt_config_from_hf(str(tmp_path / "source"), moe_grouped_gemm=True)
+    assert config.torch_experts  # the run above took torch's kernel ('auto')
