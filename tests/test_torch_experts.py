@@ -34,9 +34,10 @@ def run(tmp, devices, config, name, **parallel):
     # expert-TP 2: each rank's grouped GEMMs on its shards of every expert (no aux loss: mcore
     # 0.16 scales its gradient by one TP rank's tokens under SP, see test_moe_layouts.py)
     (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(moe_aux_loss_coeff=0.0)),
+    (2, dict(pipeline_model_parallel_size=2), dict(moe_aux_loss_coeff=0.1)),
     # top-1 routing with the probability applied to the expert's input (mcore's option)
     (1, {}, dict(moe_router_topk=1, moe_router_pre_softmax=True, extra={"moe_apply_probs_on_input": True}))],
-    ids=["ep1", "ep2", "etp2", "probs_on_input"])
+    ids=["ep1", "ep2", "etp2", "pp2", "probs_on_input"])
 def test_torch_experts_train_as_sequential_mlp(tmp_path, devices, parallel, model):
     ref_losses, ref_init, ref_end = run(tmp_path, 1, moe(**model), "ref")
     losses, init, end = run(tmp_path, devices, moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch",
