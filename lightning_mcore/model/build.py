@@ -44,19 +44,18 @@ def layer_spec(cfg: GPTConfig, use_te: bool, moe: Optional[bool] = None):
 
 
 def _mcore_layer_spec(cfg: GPTConfig, use_te: bool, experts: Optional[int]):
-    grouped = cfg.moe_grouped_gemm and not cfg.torch_experts  # torch's: a SequentialMLP re-run
     if cfg.mla is not None:
         return mla_layer_spec(cfg, use_te, experts)
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts,
-            moe_grouped_gemm=grouped,
+            moe_grouped_gemm=cfg.mcore_grouped_gemm,
             qk_layernorm=cfg.qk_layernorm,
         )
     spec = copy.deepcopy(
         get_gpt_layer_local_spec(
             num_experts=experts,
-            moe_grouped_gemm=grouped,
+            moe_grouped_gemm=cfg.mcore_grouped_gemm,
             qk_layernorm=cfg.qk_layernorm,
             normalization="RMSNorm",
         )

@@ -164,16 +164,34 @@ class GPTConfig:
         """Routed experts on torch's grouped GEMM (model/torch_experts.py)."""
         if not (self.num_moe_experts and self.moe_grouped_gemm) or self.moe_grouped_gemm_backend == "te":
             return False
-        return self.moe_grouped_gemm_backend == "torch" or self.torch_experts_can_run()
+        return self.moe_grouped_gemm_backend == "torch" or self.torch_experts_obstacle() is None
 
-    def torch_experts_can_run(self) -> bool:
-        """What moe_grouped_gemm_backend='auto' needs for torch's grouped GEMM (LoRA on experts
-        resolves 'auto' to 'te' before: model/lora_checks.py)."""
+    @property
+    def mcore_grouped_gemm(self) -> bool:
+        """mcore's own grouped experts (TE's); torch's are built as mcore's SequentialMLP."""
+        return self.moe_grouped_gemm and not self.torch_experts
+
+    def torch_experts_obstacle(self) -> Optional[tuple[str, tuple[str, ...]]]:
+        """Why torch's grouped GEMM cannot compute this model's experts, with the fields involved;
+        None when it can. 'auto' then keeps TE's kernel, an explicit 'torch' is refused
+        (strategy/expert_gemm.py). LoRA on experts resolves 'auto' to 'te' before
+        (model/lora_checks.py)."""
         ffn = self.moe_ffn_hidden_size or self.ffn_hidden_size
-        return (self.fp8 is None and self.hidden_size % 8 == 0 and ffn % 8 == 0
-                and not self.extra.get("add_bias_linear")
-                and "moe_preprocess" not in (self.cuda_graphs or ())
-                and "moe_act" not in (self.recompute_modules or ()))
+        if self.hidden_size % 8 or ffn % 8:
+            return (f"torch's grouped GEMM needs hidden_size ({self.hidden_size}) and moe_ffn_hidden_size "
+                    f"({ffn}) to be multiples of 8 (16-byte rows)", ("hidden_size", "moe_ffn_hidden_size"))
+        if self.extra.get("add_bias_linear"):
+            return ("it computes the experts without biases; extra.add_bias_linear=True would leave "
+                    "them out", ("extra",))
+        if self.fp8:
+            return f"it runs the experts unquantized: fp8={self.fp8!r} would not reach them", ("fp8",)
+        if "moe_act" in (self.recompute_modules or ()):
+            return ("it has no 'moe_act' recompute (TE's experts do); remove it from recompute_modules",
+                    ("recompute_modules",))
+        if "moe_preprocess" in (self.cuda_graphs or ()):
+            return ("it keeps the token counts on the GPU: the cuda_graphs part 'moe_preprocess' (which "
+                    "captures their copy to the host) has nothing to capture; remove it", ("cuda_graphs",))
+        return None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether 0-based `layer` has an MoE MLP (mcore's moe_layer_freq rule)."""
@@ -325,7 +343,7 @@ def to_transformer_config(
             moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
             moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
-            moe_grouped_gemm=cfg.moe_grouped_gemm and not cfg.torch_experts,
+            moe_grouped_gemm=cfg.mcore_grouped_gemm,
             moe_router_pre_softmax=cfg.moe_router_pre_softmax,
             moe_layer_freq=cfg.moe_layer_freq,
             moe_shared_expert_gate=cfg.moe_shared_expert_gate,

@@ -161,7 +161,7 @@ def mla_layer_spec(cfg, use_te: bool, experts):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=cfg.moe_grouped_gemm and not cfg.torch_experts, qk_layernorm=True,
+            num_experts=experts, moe_grouped_gemm=cfg.mcore_grouped_gemm, qk_layernorm=True,
             multi_latent_attention=True))
         attn = spec.submodules.self_attention
         attn.module = LatentAttention
@@ -174,7 +174,7 @@ def mla_layer_spec(cfg, use_te: bool, experts):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=cfg.moe_grouped_gemm and not cfg.torch_experts, qk_layernorm=True,
+        num_experts=experts, moe_grouped_gemm=cfg.mcore_grouped_gemm, qk_layernorm=True,
         multi_latent_attention=True, normalization="RMSNorm"))
     sub = spec.submodules
     sub.input_layernorm = RMSNorm

@@ -123,7 +123,7 @@ def _validate_recompute_modules(model: "GPTConfig") -> None:
     moe = model.num_moe_experts
     needs = {  # module: (what it needs, the model fields involved); mcore's own refusals marked
         "moe": (moe, "a MoE model (num_moe_experts)", ("num_moe_experts",)),
-        "moe_act": (moe and model.moe_grouped_gemm and not model.torch_experts,  # mcore's TE experts
+        "moe_act": (moe and model.mcore_grouped_gemm,  # mcore's TE experts
                     "a MoE model with moe_grouped_gemm=True and moe_grouped_gemm_backend='te'",
                     ("num_moe_experts", "moe_grouped_gemm", "moe_grouped_gemm_backend")),
         "shared_experts": (moe and model.moe_shared_expert_intermediate_size,
