@@ -213,7 +213,8 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     tf.finalize_model_grads_func = finalize_model_grads
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0,
-                        bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True),
+                        bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+                        use_precision_aware_optimizer=not args.no_precision_aware),
         chunks)
     fb = get_forward_backward_func()
     cp = parallel.context_parallel_size
@@ -302,10 +303,14 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
                         enable_model_summary=False, num_sanity_val_steps=0,
                         callbacks=[Timing(), MegatronThroughput(window_size=window)])
     optim = OptimizerSettings(lr=args.lr, min_lr=args.lr / 10, weight_decay=0.01, clip_grad=1.0,
-                              warmup_steps=args.lr_warmup, decay_style="cosine" if args.lr_warmup else "constant")
+                              warmup_steps=args.lr_warmup, decay_style="cosine" if args.lr_warmup else "constant",
+                              precision_aware=False if args.no_precision_aware else None)
     trainer.fit(PretrainModule(cfg, optim), loader)
     timer.callback = logged
     assert strategy.parallel.use_distributed_optimizer and strategy.parallel.overlap_grad_reduce
+    mcore_optimizer = trainer.optimizers[0].optimizer
+    assert {part.config.use_precision_aware_optimizer for part in getattr(
+        mcore_optimizer, "chained_optimizers", [mcore_optimizer])} == {not args.no_precision_aware}
     return timer
 
 
@@ -363,6 +368,8 @@ def main() -> None:
     ap.add_argument("--hf-attn", default=None, help="hf-eager/hf-compile: attn_implementation (hf_baseline.ATTN)")
     ap.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
                     help="hf-compile: torch.compile mode")
+    ap.add_argument("--no-precision-aware", action="store_true",
+                    help="raw and lightning: mcore keeps its own fp32 master copies (not TE's FusedAdam)")
     ap.add_argument("--no-wgrad-fusion", action="store_true",
                     help="raw only: TE layers return bf16 weight grads that DDP adds to main_grad")
     args = ap.parse_args()
@@ -451,6 +458,7 @@ def main() -> None:
             "step_s_spread": [round(min(timed), 4), round(max(timed), 4)],
             "ranks": per_rank,  # main-thread CPU ms and GC-pause ms per timed step, per rank
             "wgrad_fusion": None if args.impl.startswith("hf") else not args.no_wgrad_fusion,
+            "precision_aware": None if args.impl.startswith("hf") else not args.no_precision_aware,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         }
         if getattr(timer, "callback", None):

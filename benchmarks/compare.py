@@ -188,6 +188,25 @@ CASES = {
                                              f"--warmup 10 {flag}")
         for tag, flag in (("", "--profile"), ("-py", "--pyprofile")) for impl in ("raw", "lightning")
     ],
+    # TE's FusedAdam holding the master weights (OptimizerSettings.precision_aware, the GPU default)
+    # against mcore's own fp32 copies, raw and lightning; "-pairs" for interleaved repeats
+    "moe-1gpu-precision-aware": [
+        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} {_MOE1} --mbs 4 {_FUSED} --experts torch{flag}")
+        for tag, flag in (("-copies", " --no-precision-aware"), ("", "")) for impl in ("raw", "lightning")
+    ],
+    "moe-1gpu-precision-aware-pairs": [
+        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE1} --mbs 4 {_FUSED} --experts torch")
+        for impl in ("raw", "lightning")
+    ],
+    "1b-precision-aware": [
+        (1, f"lightning-mbs4{tag}", f"--impl lightning --mbs 4{flag}")
+        for tag, flag in (("-copies", " --no-precision-aware"), ("", ""))
+    ],
+    "moe30b-1gpu-precision-aware": [
+        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
+                                        f"--warmup 6 --mbs 4 {_FUSED} --experts torch")
+        for impl in ("raw", "lightning")
+    ],
     "moe-1gpu-profile": [
         (1, "raw-mbs4-fused-graphs", f"--impl raw {_MOE1} --mbs 4 {_FUSED} {_GRAPHS} --steps 13 --warmup 10 --profile"),
     ],

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
+import types
 
 import lightning as L
 import pytest
@@ -15,7 +17,7 @@ import torch
 from lightning_mcore.model.config import te_available, to_transformer_config
 from lightning_mcore.strategy import checkpoint_io
 from lightning_mcore.strategy.memory import RECOMPUTE_MODULES, MemoryOptionError, validate_memory
-from lightning_mcore.strategy.optimizer import OptimizerSettings, optimizer_config
+from lightning_mcore.strategy.optimizer import OptimizerSettings, optimizer_config, uses_precision_aware
 from lightning_mcore.strategy.parallel import ParallelConfig
 from test_bad_inputs import MODEL, refused, write_config
 from toy import tiny_config
@@ -222,6 +224,69 @@ def test_optimizer_offload_needs_the_distributed_optimizer():
 def test_optimizer_offload_needs_te_installed():
     refuse("cpu_offload=True needs Transformer Engine installed", parallel=GPU_DIST,
            settings=OptimizerSettings(cpu_offload=True))
+
+
+# --------------------------------------------------------------- precision-aware optimizer
+@pytest.mark.parametrize("settings, parallel, dtype, on_gpu, expected", [
+    (OptimizerSettings(), GPU_DIST, torch.bfloat16, True, True),  # the GPU fast path
+    (OptimizerSettings(), GPU_DIST, torch.bfloat16, False, False),  # CPU: torch's Adam
+    (OptimizerSettings(), ParallelConfig(), torch.bfloat16, True, False),  # not the distributed optimizer
+    (OptimizerSettings(), GPU_DIST, torch.float32, True, False),  # fp32 weights: nothing to save
+    (OptimizerSettings(optimizer="sgd"), GPU_DIST, torch.bfloat16, True, False),
+    (OptimizerSettings(precision_aware=False), GPU_DIST, torch.bfloat16, True, False),
+    (OptimizerSettings(precision_aware=True), GPU_DIST, torch.float32, True, True),  # asked for
+    (OptimizerSettings(cpu_offload=True), GPU_DIST, torch.float32, True, True),  # offload needs it
+])
+def test_precision_aware_default(monkeypatch, settings, parallel, dtype, on_gpu, expected):
+    import lightning_mcore.model.config as model_config
+
+    monkeypatch.setattr(model_config, "te_available", lambda: True)
+    assert uses_precision_aware(settings, parallel, dtype, on_gpu) is expected
+
+
+def test_precision_aware_reaches_mcore(monkeypatch):
+    """mcore checks TE's FusedAdam for the precision-aware arguments: without TE, a stand-in."""
+    if not te_available():
+        class FusedAdam:  # the arguments mcore looks for
+            def __init__(self, params, master_weight_dtype=None, exp_avg_dtype=None,
+                         exp_avg_sq_dtype=None, use_decoupled_grad=False):
+                pass
+
+        import megatron.core.optimizer.optimizer_config as mcore_config
+
+        monkeypatch.setattr(mcore_config, "is_te_min_version", lambda *a, **k: True)
+        for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.optimizers"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        sys.modules["transformer_engine.pytorch.optimizers"].FusedAdam = FusedAdam
+    config = optimizer_config(OptimizerSettings(precision_aware=True), GPU_DIST, torch.bfloat16, True)
+    assert config.use_precision_aware_optimizer and not config.optimizer_cpu_offload
+    # fp32 master weights and moments: the update mcore's own copies give
+    assert (config.main_params_dtype, config.exp_avg_dtype, config.exp_avg_sq_dtype) == (torch.float32,) * 3
+    assert not optimizer_config(OptimizerSettings(), GPU_DIST, torch.bfloat16, False).use_precision_aware_optimizer
+
+
+@pytest.mark.skipif(te_available(), reason="Transformer Engine is installed here")
+def test_precision_aware_default_is_off_without_te():
+    assert not uses_precision_aware(OptimizerSettings(), GPU_DIST, torch.bfloat16, True)
+
+
+def test_precision_aware_settings_that_contradict():
+    with pytest.raises(ValueError, match="precision_aware=True works with optimizer='adam' only.*not 'sgd'"):
+        OptimizerSettings(precision_aware=True, optimizer="sgd")
+    with pytest.raises(ValueError, match="cpu_offload=True runs on mcore's precision-aware optimizer"):
+        OptimizerSettings(cpu_offload=True, precision_aware=False)
+
+
+def test_precision_aware_refused_where_it_cannot_run():
+    asked = OptimizerSettings(precision_aware=True)
+    error = refuse("precision_aware=True runs Adam on Transformer Engine's FusedAdam, a GPU kernel",
+                   settings=asked, accelerator="cpu")
+    assert error.optim_fields == ("precision_aware",)
+    error = refuse("precision_aware=True needs use_distributed_optimizer=True", settings=asked)
+    assert error.options == ("use_distributed_optimizer",)
+    validate_memory(GPU_DIST, None, OptimizerSettings(), "cpu")  # unset: nothing to refuse
+    if not te_available():
+        refuse("precision_aware=True needs Transformer Engine installed", parallel=GPU_DIST, settings=asked)
 
 
 # --------------------------------------------------------------- resume and the CLI

@@ -93,8 +93,10 @@ def fit(tmp_path: Path, devices: int = 1, steps: int = 3, gbs: int = 8, mbs: int
         config: GPTConfig | None = None, optim: OptimizerSettings | None = None,
         dataset: Dataset | None = None, dump_weights: bool = False, name: str = "run",
         module_cls=PretrainModule, accelerator: str = "cpu", precision: str = "32-true",
-        start_method: str = "fork", module_kwargs: dict | None = None, **parallel) -> list[float]:
-    """Train `steps` optimizer steps with fork-launched gloo ranks; return rank 0's losses."""
+        start_method: str = "fork", module_kwargs: dict | None = None, callbacks: tuple = (),
+        **parallel) -> list[float]:
+    """Train `steps` optimizer steps with fork-launched gloo ranks; return rank 0's losses.
+    `callbacks`: more Lightning callbacks."""
     config = config or tiny_config()
     strategy = MegatronStrategy(global_batch_size=gbs, micro_batch_size=mbs,
                                 start_method=start_method, **parallel)
@@ -107,7 +109,7 @@ def fit(tmp_path: Path, devices: int = 1, steps: int = 3, gbs: int = 8, mbs: int
         accelerator=accelerator, devices=devices, strategy=strategy, max_steps=steps, logger=False,
         precision=precision,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[RecordLosses(out, dump_weights)],
+        callbacks=[RecordLosses(out, dump_weights), *callbacks],
     )
     module = module_cls(config, optim or OptimizerSettings(lr=1e-3), **(module_kwargs or {}))
     data = dataset or TokenRows(seq=config.seq_length, vocab=config.vocab_size)

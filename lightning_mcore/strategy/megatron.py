@@ -434,7 +434,7 @@ class MegatronStrategy(DDPStrategy):
         """mcore optimizer (distributed when asked) and LR schedule over the wrapped chunks."""
         chunks = list(self.lightning_module.chunks)
         with self.mcore_context():
-            opt = build_megatron_optimizer(chunks, settings, self.parallel, self.dtype)
+            opt = build_megatron_optimizer(chunks, settings, self.parallel, self.dtype, not self.on_cpu)
         max_steps = self.lightning_module.trainer.max_steps
         scheduler = build_lr_scheduler(opt, settings, max_steps if max_steps and max_steps > 0 else 0)
 

@@ -50,6 +50,7 @@ def validate_memory(parallel: ParallelConfig, model: Optional["GPTConfig"] = Non
         validate_activation_offload(parallel, model, accelerator, use_te)
     if settings is not None:
         validate_optimizer_offload(settings, parallel, accelerator)
+        validate_precision_aware(settings, parallel, accelerator)
 
 
 def layers_per_stage(parallel: ParallelConfig, model: "GPTConfig") -> tuple[int, str]:
@@ -196,6 +197,31 @@ def validate_optimizer_offload(settings: "OptimizerSettings", parallel: Parallel
             "cpu_offload=True needs Transformer Engine installed: mcore runs the offloaded "
             "optimizer on its precision-aware path, which reads TE's version. Install "
             "transformer_engine[pytorch], or set cpu_offload=False.", optim=("cpu_offload",))
+
+
+def validate_precision_aware(settings: "OptimizerSettings", parallel: ParallelConfig,
+                             accelerator: str) -> None:
+    """An explicit precision_aware=True where mcore cannot run it (None turns it off there):
+    mcore's precision-aware path is the distributed optimizer's, on TE's FusedAdam (CUDA)."""
+    if not settings.precision_aware:
+        return
+    fields = ("precision_aware",)
+    if accelerator == "cpu":
+        raise MemoryOptionError(
+            "precision_aware=True runs Adam on Transformer Engine's FusedAdam, a GPU kernel: on "
+            "accelerator='cpu' leave precision_aware unset (or False).", optim=fields, accelerator=True)
+    if not parallel.use_distributed_optimizer:
+        raise MemoryOptionError(
+            "precision_aware=True needs use_distributed_optimizer=True (mcore's precision-aware "
+            "path is the distributed optimizer's): set it, or leave it unset (on by default on GPU).",
+            optim=fields, options=("use_distributed_optimizer",))
+    from lightning_mcore.model.config import te_available
+
+    if not te_available():
+        raise MemoryOptionError(
+            "precision_aware=True needs Transformer Engine installed (its FusedAdam holds the "
+            "master weights): install transformer_engine[pytorch], or leave precision_aware unset.",
+            optim=fields)
 
 
 def validate_reference_offload(offload_reference: bool, accelerator: str) -> None:

@@ -44,6 +44,12 @@ class OptimizerSettings:
     # share of the state offloaded, the rest stays on the GPU.
     cpu_offload: bool = False
     offload_fraction: float = 1.0
+    # Adam keeps the fp32 master weights itself and writes the bf16 weights in its kernel (mcore's
+    # precision-aware optimizer on Transformer Engine's FusedAdam): the same update, without
+    # mcore's per-parameter copies on the host each step, and 2 bytes/param less (bf16 weights
+    # plus 16-bit remainders hold the fp32 master exactly). None: on where it runs (GPU with TE,
+    # Adam, the distributed optimizer, bf16), which cpu_offload needs.
+    precision_aware: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -58,18 +64,36 @@ class OptimizerSettings:
         if self.cpu_offload and self.optimizer != "adam":
             raise ValueError(f"cpu_offload=True works with optimizer='adam' only (mcore offloads "
                              f"through the distributed optimizer, Adam's), not {self.optimizer!r}.")
+        if self.precision_aware and self.optimizer != "adam":
+            raise ValueError(f"precision_aware=True works with optimizer='adam' only (Transformer "
+                             f"Engine's FusedAdam holds the master weights), not {self.optimizer!r}.")
+        if self.cpu_offload and self.precision_aware is False:
+            raise ValueError("cpu_offload=True runs on mcore's precision-aware optimizer: leave "
+                             "precision_aware unset (or True), or set cpu_offload=False.")
 
 
-def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype):
+def uses_precision_aware(settings: OptimizerSettings, parallel, dtype: torch.dtype, on_gpu: bool) -> bool:
+    """OptimizerSettings.precision_aware with None settled: on where TE's FusedAdam runs the
+    distributed optimizer over bf16 weights (strategy/memory.py refuses an explicit True elsewhere)."""
+    if settings.precision_aware is not None:
+        return settings.precision_aware
+    if settings.cpu_offload:
+        return True
+    from lightning_mcore.model.config import te_available
+
+    return (on_gpu and settings.optimizer == "adam" and bool(parallel.use_distributed_optimizer)
+            and dtype == torch.bfloat16 and te_available())
+
+
+def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype, on_gpu: bool = False):
     """mcore's OptimizerConfig for these settings under this layout and dtype."""
     from megatron.core.optimizer import OptimizerConfig
 
-    offload = {}
+    # Megatron-LM's training asserts the precision-aware path with offload: the hybrid optimizer
+    # reuses it (decoupled grads, fp32 main weights). mcore skips its TE check then.
+    offload = dict(use_precision_aware_optimizer=uses_precision_aware(settings, parallel, dtype, on_gpu))
     if settings.cpu_offload:
-        # Megatron-LM's training asserts the precision-aware path with offload: the hybrid
-        # optimizer reuses it (decoupled grads, fp32 main weights). mcore skips its TE check then.
-        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=settings.offload_fraction,
-                       use_precision_aware_optimizer=True)
+        offload.update(optimizer_cpu_offload=True, optimizer_offload_fraction=settings.offload_fraction)
     return OptimizerConfig(
         optimizer=settings.optimizer,
         lr=settings.lr,
@@ -88,10 +112,11 @@ def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype):
     )
 
 
-def build_megatron_optimizer(chunks, settings: OptimizerSettings, parallel, dtype: torch.dtype):
+def build_megatron_optimizer(chunks, settings: OptimizerSettings, parallel, dtype: torch.dtype,
+                             on_gpu: bool):
     from megatron.core.optimizer import get_megatron_optimizer
 
-    return get_megatron_optimizer(optimizer_config(settings, parallel, dtype), list(chunks))
+    return get_megatron_optimizer(optimizer_config(settings, parallel, dtype, on_gpu), list(chunks))
 
 
 def build_lr_scheduler(optimizer, settings: OptimizerSettings, max_steps: int):
