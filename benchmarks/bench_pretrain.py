@@ -23,6 +23,7 @@ import json
 import os
 import pstats
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -100,13 +101,18 @@ class StepTimer:
         self.manual_gc = manual_gc
         self._prof = None
         self._gc_t0, self._gc_total = 0.0, 0.0
+        self.gc_pauses: list[tuple[int, float]] = []  # (step index, seconds) of each collection
+        self.full_gc_ms: Optional[float] = None  # one full collection after the last step (measure_gc_at)
+        self.measure_gc_at: Optional[int] = None
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._gc_t0 = time.perf_counter()
         else:
-            self._gc_total += time.perf_counter() - self._gc_t0
+            pause = time.perf_counter() - self._gc_t0
+            self._gc_total += pause
+            self.gc_pauses.append((len(self.times), pause))
 
     def start(self) -> None:
         torch.cuda.synchronize()
@@ -133,6 +139,10 @@ class StepTimer:
         self.times.append(time.perf_counter() - self._t)
         self.host.append(time.thread_time() - self._h)
         self.gc.append(self._gc_total - self._gc_start)
+        if len(self.times) == self.measure_gc_at:  # what a full collection costs now (lightning: frozen)
+            t = time.perf_counter()
+            gc.collect()
+            self.full_gc_ms = round(1e3 * (time.perf_counter() - t), 1)
         if self._prof is not None and len(self.times) == 13:
             self._report_profile()
             self._prof = None
@@ -165,7 +175,10 @@ class StepTimer:
         """This rank's mean main-thread CPU ms and GC ms per timed step."""
         n = max(1, len(self.times) - warmup)
         return {"host_ms": round(1e3 * sum(self.host[warmup:]) / n, 1),
-                "gc_ms": round(1e3 * sum(self.gc[warmup:]) / n, 2)}
+                "gc_ms": round(1e3 * sum(self.gc[warmup:]) / n, 2),
+                "gc_max_ms": round(1e3 * max((p for i, p in self.gc_pauses if warmup <= i < len(self.times)),
+                                            default=0.0), 1),
+                "full_gc_ms": self.full_gc_ms}
 
 
 def pin_cpus() -> list[int]:
@@ -214,7 +227,8 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0,
                         bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
-                        use_precision_aware_optimizer=not args.no_precision_aware),
+                        use_precision_aware_optimizer=not args.no_precision_aware,
+                        store_param_remainders=False),  # as lightning-mcore sets it (strategy/optimizer.py)
         chunks)
     fb = get_forward_backward_func()
     cp = parallel.context_parallel_size
@@ -237,6 +251,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
         return out, loss_fn
 
     timer = StepTimer(args.profile, args.pyprofile, args.manual_gc)
+    timer.measure_gc_at = args.steps
     for step, batch in enumerate(loader):
         if step == args.steps:
             break
@@ -271,6 +286,7 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
     from lightning_mcore import MegatronStrategy, MegatronThroughput, OptimizerSettings, PretrainModule
 
     timer = StepTimer(args.profile, args.pyprofile, args.manual_gc)
+    timer.measure_gc_at = args.steps
     logged: dict = {}
 
     class Timing(L.Callback):

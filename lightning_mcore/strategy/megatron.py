@@ -34,6 +34,7 @@ from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, validate_cuda_graphs,
                                                   validate_graphed_module)
 from lightning_mcore.strategy.expert_gemm import validate_expert_gemm
+from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.optimizer import (
@@ -124,6 +125,7 @@ class MegatronStrategy(DDPStrategy):
         self._async_saves = None  # mcore AsyncCallsQueue, made by the first async save
         self._cpu = CpuCompat()
         self.deterministic = False  # Trainer(deterministic=True): set when the Trainer builds us
+        self._long_lived = FrozenAfterFirstStep()  # the garbage collector's (strategy/garbage.py)
 
     # ---------------------------------------------------------------- environment
     @property
@@ -544,6 +546,7 @@ class MegatronStrategy(DDPStrategy):
         # No autocast context: mcore runs mixed precision itself (bf16 weights, fp32 main
         # weights and grads in its optimizer), so Lightning's autocast would only add casts.
         self.finalize_async_saves()
+        self._long_lived.before_step(self.lightning_module.trainer.global_step)
         return self.lightning_module.training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
@@ -656,6 +659,7 @@ class MegatronStrategy(DDPStrategy):
         from lightning_mcore.strategy.teardown import destroy_model_parallel
 
         self.finalize_async_saves(blocking=True)
+        self._long_lived.release()
         if parallel_state.model_parallel_is_initialized():
             destroy_model_parallel()
         super().teardown()

@@ -46,8 +46,7 @@ class OptimizerSettings:
     offload_fraction: float = 1.0
     # Adam keeps the fp32 master weights itself and writes the bf16 weights in its kernel (mcore's
     # precision-aware optimizer on Transformer Engine's FusedAdam): the same update, without
-    # mcore's per-parameter copies on the host each step, and 2 bytes/param less (bf16 weights
-    # plus 16-bit remainders hold the fp32 master exactly). None: on where it runs (GPU with TE,
+    # mcore's per-parameter copies on the host each step. None: on where it runs (GPU with TE,
     # Adam, the distributed optimizer, bf16), which cpu_offload needs.
     precision_aware: Optional[bool] = None
 
@@ -94,6 +93,11 @@ def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype, 
     offload = dict(use_precision_aware_optimizer=uses_precision_aware(settings, parallel, dtype, on_gpu))
     if settings.cpu_offload:
         offload.update(optimizer_cpu_offload=True, optimizer_offload_fraction=settings.offload_fraction)
+    elif offload["use_precision_aware_optimizer"]:
+        # fp32 master weights, not bf16 weights + int16 remainders: with remainders mcore 0.19.2
+        # writes the remainders as the checkpoint's fp32 'param', so checkpoints of either path
+        # would not load under the other (found on GPU: NaN after such a resume).
+        offload.update(store_param_remainders=False)
     return OptimizerConfig(
         optimizer=settings.optimizer,
         lr=settings.lr,
