@@ -18,7 +18,8 @@ from typing import Optional
 
 class FrozenAfterFirstStep:
     """Freezes the collector's objects at the second training step of a fit, unfreezes at its end.
-    Leaves the collector alone where something else froze objects already."""
+    gc.unfreeze() releases every frozen object, also those a library froze before (Transformer
+    Engine's import freezes a few hundred): they become collectable again, as they were before."""
 
     def __init__(self) -> None:
         self._first_step: Optional[int] = None
@@ -27,7 +28,7 @@ class FrozenAfterFirstStep:
     def before_step(self, global_step: int) -> None:
         if self._first_step is None:
             self._first_step = global_step
-        elif not self.frozen and global_step > self._first_step and gc.get_freeze_count() == 0:
+        elif not self.frozen and global_step > self._first_step:
             gc.collect()
             gc.freeze()
             self.frozen = True
