@@ -1,13 +1,13 @@
 """Python's garbage collector in training: what exists after the first step is frozen out of it.
 
-A full collection walks every object the collector tracks. With a model's modules and parameters
-and mcore's and Transformer Engine's caches alive, one took ~600 ms in the middle of a 0.42 s MoE
-step on one H100 (benchmarks/RESULTS.md, session 8), at a step the interpreter picks: every few
-runs a timed window held one, 13% off its mean, and across ranks one rank's pause stalls the
-others at the next collective. After the first step the long-lived objects exist; they are
-collected once and frozen (gc.freeze), so later collections walk only what is newer. The collector
-stays on, so reference cycles made while training are still freed; the objects are unfrozen when
-the fit ends, so a notebook that drops the model gets its memory back.
+A full collection walks every object the collector tracks: the model's modules and parameters,
+mcore's and Transformer Engine's state. On one H100 one took 550-890 ms, at a step the interpreter
+picks (5 of 20 MoE benchmark runs had one among 8 timed steps, 14-22% off their speed; at DP > 1 one
+rank's pause holds up the others at the next collective). After the first step the long-lived
+objects exist: they are frozen (gc.freeze), and a full collection then took 1.2 ms
+(benchmarks/RESULTS.md, session 8). The collector stays on, so cycles made while training are
+still freed; everything is unfrozen when the fit ends, so a notebook that drops the model gets its
+memory back.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Optional
 
 class FrozenAfterFirstStep:
     """Freezes the collector's objects at the second training step of a fit, unfreezes at its end.
-    gc.unfreeze() releases every frozen object, also those a library froze before (Transformer
-    Engine's import freezes a few hundred): they become collectable again, as they were before."""
+    gc.unfreeze() releases every frozen object, also those a library froze before (on a GPU
+    machine 375 were, once torch and Transformer Engine were imported): they become collectable."""
 
     def __init__(self) -> None:
         self._first_step: Optional[int] = None
