@@ -26,7 +26,7 @@ LAYOUTS = {
 }
 
 
-def fit_at_ep2(source, lora: LoRAConfig, out, **parallel) -> None:
+def fit_at_ep2(source, lora: LoRAConfig, out, model_overrides=None, **parallel) -> None:
     """Three SGD steps at EP=2 (or `parallel`; two fork-launched CPU ranks); Probe writes to `out`."""
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False,
@@ -34,7 +34,7 @@ def fit_at_ep2(source, lora: LoRAConfig, out, **parallel) -> None:
         strategy=MegatronStrategy(**(parallel or dict(expert_model_parallel_size=2)), global_batch_size=4,
                                   micro_batch_size=2, start_method="fork"),
     )
-    module = PretrainModule(str(source), SGD, lora=lora)
+    module = PretrainModule(str(source), SGD, lora=lora, model_overrides=model_overrides)
     trainer.fit(module, DataLoader(TokenRows(n=12, seq=16, vocab=200), batch_size=2))
 
 

@@ -99,9 +99,12 @@ def test_grouped_gemm_experts_without_te_are_refused_before_launch(capsys, tmp_p
         check(dict(MOE, extra={"moe_grouped_gemm": True}), LoRAConfig(target_modules="all-linear"))
     check(grouped, LoRAConfig(target_modules="all-linear", experts=False))
     line = refused(capsys, tmp_path, write_config(tmp_path, model=grouped, lora={}), *TP2_SP, *ETP1)
-    assert "model.init_args.model.moe_grouped_gemm=True" in line and "needs Transformer Engine" in line
+    assert "model.init_args.model.moe_grouped_gemm=True" in line and "needs torch's grouped experts" in line
     # with Transformer Engine's grouped experts (GPU) they take adapters (tests/test_gpu_lora_experts.py)
     check_lora_plan(LoRAConfig(target_modules="all-linear"), GPTConfig(**grouped), uses_te=True)
+    # so do torch's, without TE (tests/test_lora_torch_experts.py)
+    check_lora_plan(LoRAConfig(target_modules="all-linear", rank=8),
+                    GPTConfig(**grouped, moe_grouped_gemm_backend="torch"))
 
 
 # ------------------------------------------------------------------------ export layouts

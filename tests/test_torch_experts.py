@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from lightning_mcore import GPTConfig
-from lightning_mcore.model.lora_checks import LoRAPlanError, check_lora_plan
 from lightning_mcore.strategy.expert_gemm import ExpertGemmError, validate_expert_gemm
 from lightning_mcore.strategy.parallel import ParallelConfig
 from toy import assemble, fit, tiny_config
@@ -89,15 +88,6 @@ def test_device_counts_only_at_one_expert_rank():
         assert uses_device_counts(base, cfg) is expected, (ep, tp, drop, cap)
 
 
-def test_lora_on_torch_experts_is_refused():
-    from lightning_mcore.model.lora import LoRAConfig
-
-    torch_moe = moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch")
-    with pytest.raises(LoRAPlanError, match="moe_grouped_gemm_backend='torch'"):
-        check_lora_plan(LoRAConfig(rank=4, experts=True), torch_moe, uses_te=True)
-    check_lora_plan(LoRAConfig(rank=4, experts=False), torch_moe, uses_te=True)  # experts frozen: fine
-
-
 def test_auto_picks_torch_where_it_runs():
     """'auto' (the default) is torch's kernel unless a setting needs TE's; LoRA on experts
     resolves it to 'te' in the module, an explicit 'te' stays TE's."""
@@ -154,3 +144,34 @@ def test_hf_logits_and_export_with_torch_experts(family, layout, tmp_path):
     check_logits_and_export(family, layout, tmp_path, model_overrides={"moe_grouped_gemm": True})
     config, _ = gpt_config_from_hf(str(tmp_path / "source"), moe_grouped_gemm=True)
     assert config.torch_experts  # the run above took torch's kernel ('auto')
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_grouped_linear_gradients_match_per_expert_linears(frozen, monkeypatch):
+    """The grouped GEMM's backward against autograd through one F.linear per expert; frozen
+    experts (LoRA) get no weight gradient and skip its GEMM (2 grouped GEMMs, not 3)."""
+    from lightning_mcore.model import torch_experts
+    from lightning_mcore.model.torch_experts import GroupedExpertLinear
+
+    calls = []
+    grouped_mm = torch_experts._grouped_mm
+    monkeypatch.setattr(torch_experts, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 2]  # an expert without tokens too
+    x = torch.randn(sum(counts), 16, generator=gen, requires_grad=True)
+    weights = [torch.randn(8, 16, generator=gen, requires_grad=not frozen) for _ in counts]
+    dy = torch.randn(sum(counts), 8, generator=gen)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    y = GroupedExpertLinear.apply(x, offsets, *weights)
+    grads = torch.autograd.grad(y, [x, *[w for w in weights if w.requires_grad]], dy)
+
+    x_ref = x.detach().clone().requires_grad_(True)
+    w_ref = [w.detach().clone().requires_grad_(not frozen) for w in weights]
+    y_ref = torch.cat([torch.nn.functional.linear(rows, w) for rows, w in zip(x_ref.split(counts), w_ref)])
+    want = torch.autograd.grad(y_ref, [x_ref, *[w for w in w_ref if w.requires_grad]], dy)
+    torch.testing.assert_close(y, y_ref)
+    assert len(grads) == len(want) == (1 if frozen else 1 + len(counts))
+    assert len(calls) == (2 if frozen else 3)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref)

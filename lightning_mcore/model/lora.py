@@ -63,6 +63,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import mappings
 
 from lightning_mcore.model.lora_grouped import expert_weights, grouped_hook, is_grouped_linear
+from lightning_mcore.model.torch_experts import TorchGroupedMLP
 
 # mcore module name -> (parallel kind, the HF names it fuses)
 TARGETS = {
@@ -418,7 +419,7 @@ def _attach_expert(adapters, layer, path: str, module, lora: LoRAConfig, seed: i
     """Hook a routed expert linear to the layer's stacked adapter (mlp.experts.linear_fc1 /
     fc2), made when the first of its experts is met: SequentialMLP's local_experts.<e>.linear_fc1
     runs slice e; TE's grouped linear (all local experts, weight<e>) runs each slice on its
-    expert's rows."""
+    expert's rows; torch's grouped experts (TorchGroupedMLP) run the stack in grouped GEMMs."""
     short = path.rsplit(".", 1)[-1]
     head = path.split(".local_experts.")[0] if ".local_experts." in path else path.rsplit(".", 1)[0]  # mlp.experts
     experts = layer.get_submodule(head)
@@ -440,9 +441,12 @@ def _attach_expert(adapters, layer, path: str, module, lora: LoRAConfig, seed: i
     if is_grouped_linear(module):
         adapter.bases = [(path, f"weight{e}") for e in range(adapter.experts)]
         module.register_forward_hook(grouped_hook(adapter), with_kwargs=True, prepend=True)
+        return
+    local = int(path.split(".local_experts.")[1].split(".")[0])
+    adapter.bases[local] = (path, "weight")
+    if isinstance(experts, TorchGroupedMLP):  # reads the linears' weights, never calls them
+        experts.lora_adapters = {**experts.lora_adapters, short: adapter}
     else:
-        local = int(path.split(".local_experts.")[1].split(".")[0])
-        adapter.bases[local] = (path, "weight")
         module.register_forward_hook(_hook(adapter, False, local), with_kwargs=True, prepend=True)
 
 

@@ -38,7 +38,7 @@ def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False)
             "leave lora.experts unset (or False).", lora=("experts",), fields=("num_moe_experts",))
     if not adapts_experts(lora, model):
         return
-    refuse_grouped_gemm_experts(model, uses_te)
+    refuse_grouped_gemm_experts(lora, model, uses_te)
     check_expert_rank(lora, model)
 
 
@@ -57,26 +57,30 @@ def check_expert_rank(lora: LoRAConfig, model: "GPTConfig") -> None:
 
 def expert_backend_for_lora(lora: Optional[LoRAConfig], model: "GPTConfig") -> "GPTConfig":
     """`model` with moe_grouped_gemm_backend='auto' resolved to 'te' when `lora` adapts routed
-    experts: adapters hook the experts' linears, which torch's grouped GEMM does not call."""
+    experts: LoRA on torch's grouped experts is tested on CPU but not yet measured on GPU, so
+    'auto' keeps the kernel the GPU measurements were taken with; 'torch' asks for it."""
     if lora is None or model.moe_grouped_gemm_backend != "auto" or not adapts_experts(lora, model):
         return model
     return dataclasses.replace(model, moe_grouped_gemm_backend="te")
 
 
-def refuse_grouped_gemm_experts(model: "GPTConfig", uses_te: bool) -> None:
-    """Grouped-GEMM experts take adapters as Transformer Engine builds them (TEGroupedMLP, one
-    linear per fc with a weight per expert); without TE mcore builds its legacy GroupedMLP,
-    whose experts are bare weight tensors with no linear to hook. torch's grouped GEMM reads the
-    expert linears' weights without calling them: adapters hooked on them would never run."""
-    if model.moe_grouped_gemm_backend == "torch" and model.torch_experts:  # 'auto' becomes 'te' (above)
-        raise LoRAPlanError(
-            "LoRA on experts with moe_grouped_gemm_backend='torch' is not supported (its grouped "
-            "GEMM reads the expert weights directly, so expert adapters would never run): use "
-            "moe_grouped_gemm_backend='te', or lora.experts=False to keep experts frozen.",
-            lora=("experts",), fields=("moe_grouped_gemm_backend",))
+def refuse_grouped_gemm_experts(lora: LoRAConfig, model: "GPTConfig", uses_te: bool) -> None:
+    """Grouped-GEMM experts take adapters as torch's grouped experts (model/torch_experts.py:
+    two more grouped GEMMs per linear) or Transformer Engine's (TEGroupedMLP, one linear per fc
+    with a weight per expert) build them; without either, mcore's legacy GroupedMLP has bare
+    weight tensors and no linear to hook."""
+    if model.torch_experts:
+        if lora.rank % 8:
+            raise LoRAPlanError(
+                f"LoRA rank {lora.rank} on torch's grouped experts (moe_grouped_gemm_backend="
+                f"{model.moe_grouped_gemm_backend!r}): its grouped GEMMs need a rank that is a "
+                f"multiple of 8 (16-byte rows on the GPU): use lora.rank {8 * (lora.rank // 8 + 1)}, "
+                f"or moe_grouped_gemm_backend='te'.", lora=("rank",), fields=("moe_grouped_gemm_backend",))
+        return
     if (model.moe_grouped_gemm or model.extra.get("moe_grouped_gemm")) and not uses_te:
         raise LoRAPlanError(
-            "LoRA on grouped-GEMM experts (moe_grouped_gemm=True) needs Transformer Engine's "
-            "grouped experts (GPU); without it mcore's legacy GroupedMLP has no expert linears to "
-            "adapt: set moe_grouped_gemm=False, or lora.experts=False to keep experts frozen.",
-            lora=("experts",), fields=("moe_grouped_gemm",))
+            "LoRA on grouped-GEMM experts (moe_grouped_gemm=True) needs torch's grouped experts "
+            "(moe_grouped_gemm_backend='torch') or Transformer Engine's (GPU); mcore's legacy "
+            "GroupedMLP has no expert linears to adapt: set moe_grouped_gemm_backend='torch', "
+            "moe_grouped_gemm=False, or lora.experts=False to keep experts frozen.",
+            lora=("experts",), fields=("moe_grouped_gemm", "moe_grouped_gemm_backend"))

@@ -50,13 +50,29 @@ class GroupedExpertLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, offsets, *weights = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = _grouped_mm(dy, torch.stack(weights), offs=offsets)  # [T, out] @ [E, out, in]
-        dw = _grouped_mm(dy.t(), x, offs=offsets)  # per expert dy_e^T x_e: [E, out, in]
-        return dx, None, *dw.unbind(0)
+        dx = dws = None
+        if ctx.needs_input_grad[0]:
+            dx = _grouped_mm(dy, torch.stack(weights), offs=offsets)  # [T, out] @ [E, out, in]
+        if any(ctx.needs_input_grad[2:]):  # frozen experts (LoRA) skip their weights' GEMM
+            dws = _grouped_mm(dy.t(), x, offs=offsets).unbind(0)  # per expert dy_e^T x_e: [E, out, in]
+        return dx, None, *(dws or [None] * len(weights))
+
+
+def grouped_lora_update(adapter, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """scale * B_e A_e x on each expert's rows, for a layer's stacked expert adapter
+    (model/lora.py: lora_A [E, r, in], lora_B [E, out, r]): two more grouped GEMMs of rank r."""
+    if adapter.dropout and adapter.training:
+        x = F.dropout(x, adapter.dropout)
+    h = GroupedExpertLinear.apply(x, offsets, *adapter.lora_A.unbind(0))  # [T, r]
+    return GroupedExpertLinear.apply(h, offsets, *adapter.lora_B.unbind(0)) * adapter.scale
 
 
 class TorchGroupedMLP(SequentialMLP):
-    """A SequentialMLP computed as two grouped GEMMs whose group offsets stay on the device."""
+    """A SequentialMLP computed as two grouped GEMMs whose group offsets stay on the device.
+    `lora_adapters` ({"linear_fc1": adapter, ...}, set by model/lora.py; not submodules, the
+    adapters live in the model's LoRA dict): each adds its update to its GEMM's output."""
+
+    lora_adapters: dict = {}
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor, **unused):
@@ -64,10 +80,15 @@ class TorchGroupedMLP(SequentialMLP):
         if self.config.moe_apply_probs_on_input:  # top-1 routing scales the input instead (mcore's rule)
             x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), torch.ones_like(probs)
         offsets = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
-        fc1 = [e.linear_fc1.weight for e in self.local_experts]
-        fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        intermediate = self._activation(GroupedExpertLinear.apply(x, offsets, *fc1), probs)
-        return GroupedExpertLinear.apply(intermediate, offsets, *fc2), None
+        intermediate = self._activation(self._linear("linear_fc1", x, offsets), probs)
+        return self._linear("linear_fc2", intermediate, offsets), None
+
+    def _linear(self, name: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out = GroupedExpertLinear.apply(x, offsets, *[getattr(e, name).weight for e in self.local_experts])
+        adapter = self.lora_adapters.get(name)
+        if adapter is not None and adapter.enabled and not adapter.merged:
+            out = out + grouped_lora_update(adapter, x, offsets).to(out.dtype)
+        return out
 
     def _activation(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The activation scaled by each token's router probability, as mcore's expert MLP
