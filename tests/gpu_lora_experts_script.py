@@ -1,12 +1,13 @@
 """Run under torchrun (2 processes) by test_gpu_lora_experts: for each case in <root>/cases.json,
 LoRA (all-linear, experts included) trains 3 SGD steps at EP=2 from <root>/source with the case's
-model overrides (moe_grouped_gemm on or off); rank 0 writes <root>/<case>/logits.pt, the PEFT
+model overrides (TE's, torch's or no grouped experts); rank 0 writes <root>/<case>/logits.pt, the PEFT
 export to <root>/<case>/peft and facts.json.
 
     torchrun --nproc-per-node 2 tests/gpu_lora_experts_script.py gpu bf16-mixed <root>
 (`cpu 32-true` runs the same on gloo, to check the harness without a GPU.)"""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,8 +51,10 @@ def main(accelerator: str, precision: str, root: Path) -> None:
         )
         module = PretrainModule(
             str(root / "source"), OptimizerSettings(lr=0.5, optimizer="sgd", weight_decay=0.0, warmup_steps=0),
-            model_overrides=case["overrides"], lora=LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0))
-        trainer.fit(module, DataLoader(rows * STEPS, batch_size=len(rows)))
+            model_overrides=case["overrides"], lora=LoRAConfig(target_modules="all-linear", rank=8, alpha=16.0))
+        # each data-parallel rank its half of the global batch (EP=2 on 2 processes is DP=2)
+        mine = rows[int(os.environ["RANK"])::2]
+        trainer.fit(module, DataLoader(mine * STEPS, batch_size=len(mine)))
 
 
 if __name__ == "__main__":
