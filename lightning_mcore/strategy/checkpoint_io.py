@@ -352,7 +352,7 @@ def check_resumed_lora(path, saved, lora, model_config) -> None:
     if differ:
         raise CheckpointLoadError(
             f"ckpt_path {path} holds LoRA adapters of another LoRA config: " + "; ".join(differ) +
-            f". Resume with the checkpoint's settings" +
+            ". Resume with the checkpoint's settings" +
             (" (LoRAConfig experts=False)" if old.experts is False and lora.experts is not False else "") +
             ", or start a new run.")
 

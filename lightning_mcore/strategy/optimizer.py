@@ -90,14 +90,14 @@ def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype, 
 
     # Megatron-LM's training asserts the precision-aware path with offload: the hybrid optimizer
     # reuses it (decoupled grads, fp32 main weights). mcore skips its TE check then.
-    offload = dict(use_precision_aware_optimizer=uses_precision_aware(settings, parallel, dtype, on_gpu))
+    placement = dict(use_precision_aware_optimizer=uses_precision_aware(settings, parallel, dtype, on_gpu))
     if settings.cpu_offload:
-        offload.update(optimizer_cpu_offload=True, optimizer_offload_fraction=settings.offload_fraction)
-    elif offload["use_precision_aware_optimizer"]:
+        placement.update(optimizer_cpu_offload=True, optimizer_offload_fraction=settings.offload_fraction)
+    elif placement["use_precision_aware_optimizer"]:
         # fp32 master weights, not bf16 weights + int16 remainders: with remainders mcore 0.19.2
         # writes the remainders as the checkpoint's fp32 'param', so checkpoints of either path
         # would not load under the other (found on GPU: NaN after such a resume).
-        offload.update(store_param_remainders=False)
+        placement.update(store_param_remainders=False)
     return OptimizerConfig(
         optimizer=settings.optimizer,
         lr=settings.lr,
@@ -112,7 +112,7 @@ def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype, 
         params_dtype=dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
         overlap_param_gather=parallel.overlap_param_gather,
-        **offload,
+        **placement,
     )
 
 
