@@ -109,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=None, help="default: 2 x rank")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE shapes)")
+    ap.add_argument("--experts", default="auto", choices=["auto", "te", "torch"],
+                    help="MoE shapes: GPTConfig.moe_grouped_gemm_backend (auto keeps TE's for LoRA on "
+                         "experts; torch runs the experts and their adapters as grouped GEMMs)")
     ap.add_argument("--cp", type=int, default=1, help="context parallel size (data parallel: WORLD_SIZE / cp)")
     ap.add_argument("--full", action="store_true", help="full-parameter training instead of LoRA")
     recompute = ap.add_mutually_exclusive_group()
@@ -145,7 +148,8 @@ def model_config(args) -> GPTConfig:
     elif args.recompute_selective:
         modules = args.recompute_modules.split(",") if args.recompute_modules else None
         recompute = dict(recompute_granularity="selective", recompute_modules=modules)
-    return GPTConfig(**shape, seq_length=args.seq, **recompute)
+    experts = dict(moe_grouped_gemm_backend=args.experts) if shape.get("num_moe_experts") else {}
+    return GPTConfig(**shape, seq_length=args.seq, **recompute, **experts)
 
 
 def optimizer_settings(args) -> OptimizerSettings:
@@ -162,6 +166,7 @@ def settings(args, cfg: GPTConfig, devices: int) -> dict:
         "dp": devices // args.cp, "devices": devices,
         "recompute": "full" if args.recompute else "selective" if args.recompute_selective else None,
         "recompute_modules": args.recompute_modules, "optimizer_offload": args.optimizer_offload,
+        "experts": args.experts if cfg.num_moe_experts else None,
     }
 
 
