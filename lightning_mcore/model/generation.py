@@ -133,6 +133,11 @@ def _uniforms(seed: int, position: int, groups: list[int]) -> torch.Tensor:
     return torch.cat([torch.rand(n, generator=g, dtype=torch.float64) for n, g in zip(groups, gen)])
 
 
+def uniform_for(seed: int, position: int) -> torch.Tensor:
+    """[1]: the number one row draws for its token at `position` (a group of one in _uniforms)."""
+    return _uniforms(seed, position, [1])
+
+
 def _generate(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
               groups: list[int]) -> list[list[int]]:
     from lightning_mcore.model.kv_cache import next_token_logits

@@ -22,8 +22,10 @@ from lightning_mcore import models
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.model import vision
+from lightning_mcore.model.generation import SamplingSettings
 from lightning_mcore.objectives.loss import masked_token_loss
 from lightning_mcore.objectives.sft import SFTModule
+from lightning_mcore.objectives.vision_generation import generate_vision_language
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
@@ -77,11 +79,21 @@ class VisionLanguageSFTModule(SFTModule):
         return token_losses, partial(masked_token_loss, loss_mask=batch["loss_mask"])
 
     def predict_step(self, batch: dict, batch_idx: int):
-        """Full-vocabulary logits [rows, seq, vocab] of a vision-language batch (every rank)."""
+        """Full-vocabulary logits [rows, seq, vocab] of a vision-language batch (every rank); or,
+        for {"prompts": [processor outputs], "sampling": SamplingSettings (optional, greedy)},
+        the completions."""
+        if "prompts" in batch:
+            sampling = batch.get("sampling") or SamplingSettings(greedy=True)
+            return self.generate_batch(batch["prompts"], sampling)
         return vision.forward_logits(self._strategy(), self.chunks, batch, self.model_config)
 
-    def generate(self, *args, **kwargs):
-        raise NotImplementedError("text generation from a vision-language module is not supported yet; "
-                                  "use transformers on the exported model.")
+    def generate(self, prompt: dict, max_new_tokens: int, stop: Optional[list[int]] = None) -> list[int]:
+        """Greedy continuation of one prompt with its images (`input_ids`, `pixel_values`,
+        `image_grid_thw`: the processor's output for one sample). Collective."""
+        sampling = SamplingSettings(max_new_tokens=max_new_tokens, greedy=True, stop=list(stop or []))
+        return self.generate_batch([prompt], sampling)[0]
 
-    generate_batch = generate
+    def generate_batch(self, prompts: list[dict], sampling: SamplingSettings) -> list[list[int]]:
+        """Completions (new tokens only) of prompts with images, greedy or sampled (collective;
+        objectives/vision_generation.py: no KV cache, each token runs the rows again)."""
+        return generate_vision_language(self._strategy(), self.chunks, self.model_config, prompts, sampling)
