@@ -6,6 +6,7 @@ STEPS training steps on a repeated batch; rank 0 writes <root>/<family>/out.pt.
 (`cpu 32-true` runs the same on gloo, to check the harness without a GPU.)"""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,7 +48,10 @@ def main(accelerator: str, precision: str, root: Path) -> None:
             strategy=MegatronStrategy(global_batch_size=len(rows), **case["layout"]),
         )
         module = PretrainModule(str(directory / "source"), optim=OptimizerSettings(lr=3e-3))
-        trainer.fit(module, DataLoader(rows * STEPS, batch_size=len(rows)))
+        # each data-parallel rank its share of the global batch (EP=2 on 2 processes is DP=2)
+        dp = 2 // case["layout"].get("tensor_model_parallel_size", 1)
+        mine = rows[int(os.environ["RANK"]) % dp::dp]
+        trainer.fit(module, DataLoader(mine * STEPS, batch_size=len(mine)))
 
 
 if __name__ == "__main__":
