@@ -1,7 +1,9 @@
-"""The strategy freezes the garbage collector's objects after a fit's first step (collections then
-walk only newer objects) and unfreezes them when the fit ends (strategy/garbage.py). Both run in
-child processes: a forced collection or freeze in the pytest process would reach what earlier
-tests left there (in one CI run it broke the next test's gloo rendezvous)."""
+"""On GPU the strategy freezes the garbage collector's objects after a fit's first step
+(collections then walk only newer objects) and unfreezes them when the fit ends
+(strategy/garbage.py); on CPU it leaves the collector alone. Both checks run in child processes:
+a forced collection or freeze in the pytest process would reach what earlier tests left there (in
+one CI run it broke the next test's gloo rendezvous). The GPU fits' freeze: benchmarks/RESULTS.md
+(session 8, a full collection 1.2 ms frozen against 552-767 ms)."""
 
 import gc
 import json
@@ -24,13 +26,10 @@ class FreezeCounts(L.Callback):
         self.path.write_text(json.dumps(self.counts))
 
 
-def test_objects_frozen_after_the_first_step(tmp_path):
+def test_cpu_fits_leave_the_collector_alone(tmp_path):
     out = tmp_path / "counts.json"
     losses = fit(tmp_path, devices=1, steps=3, callbacks=[FreezeCounts(out)])  # fork-launched rank
-    counts = json.loads(out.read_text())
-    assert len(losses) == 3
-    # the model, its optimizer and mcore's state are all tracked objects: far more than a few
-    assert counts[0] == 0 and min(counts[1:]) > 10_000, counts
+    assert len(losses) == 3 and json.loads(out.read_text()) == [0, 0, 0]
 
 
 def _steps_of_a_resumed_fit(queue) -> None:

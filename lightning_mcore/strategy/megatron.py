@@ -546,7 +546,8 @@ class MegatronStrategy(DDPStrategy):
         # No autocast context: mcore runs mixed precision itself (bf16 weights, fp32 main
         # weights and grads in its optimizer), so Lightning's autocast would only add casts.
         self.finalize_async_saves()
-        self._long_lived.before_step(self.lightning_module.trainer.global_step)
+        if not self.on_cpu:  # the GPU fast path: on CPU a step dwarfs a collection
+            self._long_lived.before_step(self.lightning_module.trainer.global_step)
         return self.lightning_module.training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
