@@ -546,7 +546,7 @@ class MegatronStrategy(DDPStrategy):
         # No autocast context: mcore runs mixed precision itself (bf16 weights, fp32 main
         # weights and grads in its optimizer), so Lightning's autocast would only add casts.
         self.finalize_async_saves()
-        if not self.on_cpu:  # the GPU fast path: on CPU a step dwarfs a collection
+        if not self.on_cpu:  # the GPU fast path (strategy/garbage.py says why not on CPU)
             self._long_lived.before_step(self.lightning_module.trainer.global_step)
         return self.lightning_module.training_step(*args, **kwargs)
 
