@@ -36,6 +36,11 @@ def generate(tmp_path, source, prompts: list[dict], sampling: SamplingSettings, 
     return torch.load(tmp_path / "completions.pt")
 
 
+def as_prompt(s: dict) -> dict:
+    """A vlm_models sample as the processor's output for one sample."""
+    return dict(input_ids=s["ids"], pixel_values=s["pixels"], image_grid_thw=s["grids"])
+
+
 def hf_generate(model, s: dict) -> list[int]:
     ids = s["input_ids"][None]
     out = model.generate(input_ids=ids, pixel_values=s["pixel_values"], image_grid_thw=s["image_grid_thw"],
@@ -52,7 +57,7 @@ def test_greedy_completions_equal_transformers_generate(family, layout, tmp_path
     hf = make_vlm(family, source)
     gen = torch.Generator().manual_seed(3)
     samples = [sample(hf, [[1, 4, 4]], 30, gen), sample(hf, [[1, 2, 4], [1, 4, 2]], 25, gen)]
-    prompts = [dict(input_ids=s["ids"], pixel_values=s["pixels"], image_grid_thw=s["grids"]) for s in samples]
+    prompts = [as_prompt(s) for s in samples]
     ours = generate(tmp_path, source, prompts, SamplingSettings(max_new_tokens=NEW, greedy=True), layout)
     with torch.no_grad():
         expected = [hf_generate(hf, p) for p in prompts]
@@ -62,8 +67,7 @@ def test_greedy_completions_equal_transformers_generate(family, layout, tmp_path
 def test_sampled_completions_alike_at_both_layouts(tmp_path):
     source = tmp_path / "source"
     hf = make_vlm("qwen2_5_vl", source)
-    s = sample(hf, [[1, 4, 4]], 30, torch.Generator().manual_seed(4))
-    prompt = dict(input_ids=s["ids"], pixel_values=s["pixels"], image_grid_thw=s["grids"])
+    prompt = as_prompt(sample(hf, [[1, 4, 4]], 30, torch.Generator().manual_seed(4)))
     sampling = SamplingSettings(max_new_tokens=NEW, temperature=1.0, seed=7)
     runs = [generate(tmp_path / layout, source, [prompt, prompt], sampling, layout) for layout in LAYOUTS]
     assert runs[0] == runs[1] and runs[0][0] == runs[0][1] and len(runs[0][0]) == NEW
