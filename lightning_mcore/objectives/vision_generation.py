@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from lightning_mcore.data.multimodal import collate_rows
 from lightning_mcore.data.mrope_positions import mrope_positions
+from lightning_mcore.data.packing import build_row
 from lightning_mcore.model import vision
 from lightning_mcore.model.generation import SamplingSettings, choose_tokens, refuse_too_long, uniform_for
 
@@ -29,30 +31,26 @@ def prompt_parts(prompt: dict, index: int) -> tuple[list[int], torch.Tensor, tor
     grids = torch.as_tensor(prompt["image_grid_thw"]).reshape(-1, 3).long()
     pixels = torch.as_tensor(prompt["pixel_values"]).float()
     pixels = pixels.reshape(-1, pixels.shape[-1]) if pixels.numel() else pixels.reshape(0, 1)
-    if pixels.shape[0] != int(grids.prod(-1).sum()):
+    patches = int(grids.prod(-1).sum())
+    if pixels.shape[0] != patches:
         raise ValueError(f"prompt {index}: {pixels.shape[0]} patches for image grids {grids.tolist()} "
-                         f"({int(grids.prod(-1).sum())} patches).")
+                         f"({patches} patches).")
     return ids, pixels, grids
 
 
 def rows_batch(sequences: list[list[int]], images: list[tuple[torch.Tensor, torch.Tensor]],
                length: int, image_token_id: int, merge_size: int) -> dict:
-    """One row per sequence, padded to `length`, with its M-RoPE positions and images."""
-    rows = len(sequences)
-    tokens = torch.zeros(rows, length, dtype=torch.int64)
-    segments = torch.zeros_like(tokens)
-    positions = torch.zeros(rows, 3, length, dtype=torch.int64)
-    patches = max(p.shape[0] for p, _ in images)
-    count = max(g.shape[0] for _, g in images)
-    dim = max(p.shape[1] for p, _ in images)
-    pixels, grids = torch.zeros(rows, patches, dim), torch.zeros(rows, count, 3, dtype=torch.int64)
-    for i, (ids, (p, g)) in enumerate(zip(sequences, images)):
-        n = len(ids)
-        tokens[i, :n], segments[i, :n] = torch.tensor(ids), 1
-        positions[i, :, :n] = torch.from_numpy(mrope_positions(ids, g.numpy(), image_token_id, merge_size))
-        pixels[i, :p.shape[0], :p.shape[1]], grids[i, :g.shape[0]] = p, g
-    return dict(tokens=tokens, labels=torch.zeros_like(tokens), loss_mask=torch.zeros(rows, length),
-                segment_ids=segments, position_ids=positions, pixel_values=pixels, image_grid_thw=grids)
+    """One row per sequence, padded to `length`, with its M-RoPE positions and images: a row as
+    the training data builds it (build_row), stacked by the data module's collate_rows."""
+    dim = max(p.shape[1] for p, _ in images)  # a prompt without images gives no patch width
+    rows = []
+    for ids, (pixels, grids) in zip(sequences, images):
+        positions = torch.zeros(3, length, dtype=torch.int64)
+        positions[:, :len(ids)] = torch.from_numpy(mrope_positions(ids, grids.numpy(), image_token_id, merge_size))
+        rows.append({**build_row([(ids, [0] * len(ids))], length, pad_id=0), "position_ids": positions,
+                     "pixel_values": pixels if len(pixels) else pixels.new_zeros(0, dim),
+                     "image_grid_thw": grids})
+    return collate_rows(rows)
 
 
 @torch.no_grad()
