@@ -99,9 +99,9 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg,
     if shared is not None:  # every data-parallel rank generates all ranks' prompts
         parts, start = shared
         everyone = [p for part in parts for p in part]
-        out = _generate(strategy, chunks, everyone, cfg, sampling, [len(part) for part in parts])
+        out = generate_columns(strategy, chunks, everyone, cfg, sampling, [len(part) for part in parts])
         return out[start:start + len(prompts)]
-    return _generate(strategy, chunks, prompts, cfg, sampling, [len(prompts)])
+    return generate_columns(strategy, chunks, prompts, cfg, sampling, [len(prompts)])
 
 
 def _expert_parallel_share(prompts: list[list[int]], cfg) -> Optional[tuple[list, int]]:
@@ -133,13 +133,11 @@ def _uniforms(seed: int, position: int, groups: list[int]) -> torch.Tensor:
     return torch.cat([torch.rand(n, generator=g, dtype=torch.float64) for n, g in zip(groups, gen)])
 
 
-def uniform_for(seed: int, position: int) -> torch.Tensor:
-    """[1]: the number one row draws for its token at `position` (a group of one in _uniforms)."""
-    return _uniforms(seed, position, [1])
-
-
-def _generate(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
-              groups: list[int]) -> list[list[int]]:
+def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
+                     groups: list[int], inputs=None) -> list[list[int]]:
+    """The completions of `prompts` through the cache, one column per step; `groups`: the row
+    counts that draw their numbers from one stream (_uniforms); `inputs`: what a step feeds the
+    model (model/kv_cache.py; default token ids)."""
     from lightning_mcore.model.kv_cache import next_token_logits
 
     if not prompts or sampling.max_new_tokens == 0:
@@ -150,7 +148,7 @@ def _generate(strategy, chunks, prompts: list[list[int]], cfg, sampling: Samplin
     completions: list[list[int]] = [[] for _ in prompts]
     done = [False] * rows
 
-    with next_token_logits(strategy, chunks, cfg, rows, total, sampling.cuda_graphs) as forward:
+    with next_token_logits(strategy, chunks, cfg, rows, total, sampling.cuda_graphs, inputs) as forward:
         position = min(lengths)
         logits = forward(torch.tensor([p[:position] for p in prompts]))
         while True:

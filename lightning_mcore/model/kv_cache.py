@@ -8,6 +8,9 @@ device, as mcore's own allocation asks for a CUDA device. Every call goes throug
 forward-only schedule, so pipeline stages pass hidden states as in training; one context per
 chunk, all advanced together.
 
+What a step feeds the model is `TokenColumns` (token ids at consecutive positions) unless the
+caller gives its own (model/vision_columns.py: image embeddings and M-RoPE positions).
+
 `RecomputeForward` has no cache: each call re-runs the whole rows (forward_logits). It serves
 models and layouts where the cache is not available (see cache_unavailable).
 """
@@ -29,13 +32,28 @@ def cache_unavailable(strategy, cfg) -> str:
     return ""
 
 
+class TokenColumns:
+    """A language model's cached step: token ids at consecutive positions."""
+
+    def batch(self, columns: torch.Tensor, start: int) -> dict:
+        rows, n = columns.shape
+        return {"tokens": columns,
+                "position_ids": torch.arange(start, start + n, device=columns.device).expand(rows, n)}
+
+    def forward(self, model, mb: dict, context):
+        return model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
+                     inference_context=context, runtime_gather_output=True)
+
+
 @contextlib.contextmanager
-def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool = False):
+def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool = False,
+                      inputs=None):
     """A CachedForward (or a RecomputeForward where the cache is unavailable), with the chunks
     in eval mode (mcore reads the inference context only there; no dropout) and, for the
     cache, sequence parallelism off (as mcore's own engine does: a one-token step cannot be
     split over tensor-parallel ranks); both restored after. `cuda_graphs`: decode steps replay
-    kept CUDA graphs where model/decode_graphs.py can (else eager)."""
+    kept CUDA graphs where model/decode_graphs.py can (else eager). `inputs`: what each step
+    feeds the model (default TokenColumns; another needs the cache, and runs without graphs)."""
     from megatron.core.transformer.utils import set_model_to_sequence_parallel
     from megatron.core.utils import unwrap_model
 
@@ -48,7 +66,10 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_gr
             if sequence_parallel:
                 set_model_to_sequence_parallel(unwrap_model(c), False)
         if cached:
-            yield CachedForward(strategy, chunks, cfg, rows, max_length, cuda_graphs)
+            yield CachedForward(strategy, chunks, cfg, rows, max_length, cuda_graphs and inputs is None,
+                                inputs or TokenColumns())
+        elif inputs is not None:
+            raise ValueError(f"generate: the KV cache is unavailable ({cache_unavailable(strategy, cfg)}).")
         else:
             yield RecomputeForward(strategy, chunks, cfg)
     finally:
@@ -75,10 +96,12 @@ def new_context(chunk, rows: int, max_length: int, device):
 
 
 class CachedForward:
-    def __init__(self, strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool) -> None:
+    def __init__(self, strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool,
+                 inputs: TokenColumns) -> None:
         from lightning_mcore.model import decode_graphs
 
         self.strategy, self.chunks, self.cfg, self.rows = strategy, list(chunks), cfg, rows
+        self.inputs = inputs
         device = strategy.root_device
         self.graphs = None
         if cuda_graphs and not decode_graphs.graphs_unavailable(strategy, cfg):
@@ -116,16 +139,13 @@ class CachedForward:
                 rank_zero_warn(f"generate: CUDA graph capture of a decode step failed "
                                f"({self.graphs.failed}); decoding eagerly from now on "
                                f"(sampling.cuda_graphs: false skips the attempt).")
-        positions = torch.arange(self.length, self.length + n, device=device).expand(self.rows, n)
         contexts = {id(chunk): context for chunk, context in zip(self.chunks, self.contexts)}
 
         def step(mb, model):
-            context = contexts[id(model)]
-            out = model(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
-                        inference_context=context, runtime_gather_output=True)
+            out = self.inputs.forward(model, mb, contexts[id(model)])
             return out, lambda logits: logits[:, -1, :vocab]  # [rows, 1 (or n), vocab]
 
-        micro = [{"tokens": columns, "position_ids": positions}]
+        micro = [self.inputs.batch(columns, self.length)]
         for context in self.contexts:
             context.sequence_len_offset = self.length
             if self.length:

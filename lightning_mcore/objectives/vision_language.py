@@ -95,5 +95,5 @@ class VisionLanguageSFTModule(SFTModule):
 
     def generate_batch(self, prompts: list[dict], sampling: SamplingSettings) -> list[list[int]]:
         """Completions (new tokens only) of prompts with images, greedy or sampled (collective;
-        objectives/vision_generation.py: no KV cache, each token runs the rows again)."""
+        objectives/vision_generation.py: through the KV cache, images encoded once)."""
         return generate_vision_language(self._strategy(), self.chunks, self.model_config, prompts, sampling)
