@@ -324,9 +324,8 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
     trainer.fit(PretrainModule(cfg, optim), loader)
     timer.callback = logged
     assert strategy.parallel.use_distributed_optimizer and strategy.parallel.overlap_grad_reduce
-    mcore_optimizer = trainer.optimizers[0].optimizer
-    assert {part.config.use_precision_aware_optimizer for part in getattr(
-        mcore_optimizer, "chained_optimizers", [mcore_optimizer])} == {not args.no_precision_aware}
+    assert {part.config.use_precision_aware_optimizer for part in trainer.optimizers[0].parts} == {
+        not args.no_precision_aware}
     return timer
 
 

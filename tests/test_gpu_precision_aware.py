@@ -21,8 +21,7 @@ class MasterWeights(L.Callback):
     master weights."""
 
     def on_train_end(self, trainer, pl_module):
-        wrapped = trainer.optimizers[0].optimizer  # MegatronOptimizer -> mcore's optimizer
-        parts = getattr(wrapped, "chained_optimizers", [wrapped])
+        parts = trainer.optimizers[0].parts  # mcore's optimizers behind ours
         self.precision_aware = {part.config.use_precision_aware_optimizer for part in parts}
         self.in_adam = {getattr(part.optimizer, "master_weights", False) for part in parts}
 

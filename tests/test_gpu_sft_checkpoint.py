@@ -80,8 +80,7 @@ class OptimizerPlacement(L.Callback):
         self.kinds, self.devices = set(), set()
 
     def on_train_end(self, trainer, pl_module):
-        wrapped = trainer.optimizers[0].optimizer  # MegatronOptimizer -> mcore's optimizer
-        for part in getattr(wrapped, "chained_optimizers", [wrapped]):
+        for part in trainer.optimizers[0].parts:  # mcore's optimizers behind ours
             self.kinds.add(type(part.optimizer).__name__)
             self.devices |= {value.device.type for state in part.optimizer.state.values()
                              for key, value in state.items() if key in ("exp_avg", "exp_avg_sq")}

@@ -391,7 +391,9 @@ def load_model(path: Path, chunks) -> None:
 def load_optimizer(path: Path, chunks, optimizer) -> None:
     from megatron.core.optimizer import distrib_optimizer
 
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    from lightning_mcore.strategy.optimizer import mcore_parts
+
+    parts = mcore_parts(optimizer)
     if not distrib_optimizer.HAVE_APEX_OR_TE and any(
         isinstance(o, distrib_optimizer.DistributedOptimizer) for o in parts
     ):

@@ -165,6 +165,12 @@ def _differences(saved: dict, current: dict, names: dict[str, str]) -> list[str]
             if k in saved and k in current and plain(saved[k]) != plain(current[k])]
 
 
+def mcore_parts(optimizer) -> list:
+    """The optimizers in mcore's chain (one per kind of parameter group: dense, experts), or
+    the optimizer alone when mcore built one."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 class MegatronOptimizer(torch.optim.Optimizer):
     """Lightning-facing wrapper of an mcore optimizer plus its LR schedule."""
 
@@ -182,6 +188,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.last_update_skipped = False
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
+
+    @property
+    def parts(self) -> list:
+        """mcore's optimizers behind this one (mcore_parts)."""
+        return mcore_parts(self.optimizer)
 
     @property
     def param_groups(self):
@@ -236,7 +247,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def _clip(self, grad_norm) -> None:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for part in self.parts:
             if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0:
                 continue
             params = part.get_parameters()
