@@ -27,6 +27,9 @@ _MOE = "--shape qwen3-moe-small --ep 2 --mbs 1 --gbs 8 --steps 16 --warmup 6"
 # issue 20's one-GPU MoE runs: the moe shape's first 6 layers, EP=1, global batch 8
 _MOE1 = "--shape qwen3-moe-small --layers 6 --gbs 8 --steps 14 --warmup 6"
 _FUSED = "--set moe_permute_fusion=true --set moe_router_fusion=true"
+# issue 20's EP=2 settings: the moe case's shape and global batch, micro batch 4 (one per rank and
+# step), the fusions and torch's experts (at EP=2 only the expert GEMMs change)
+_MOE2 = f"--shape qwen3-moe-small --ep 2 --mbs 4 --gbs 8 --steps 16 --warmup 6 {_FUSED} --experts torch"
 _GRAPHS = "--cuda-graphs attn,moe_router,moe_preprocess"
 
 # case -> [(gpus, label, bench_pretrain.py arguments)]
@@ -205,6 +208,12 @@ CASES = {
     "moe30b-1gpu-precision-aware": [
         (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
                                         f"--warmup 6 --mbs 4 {_FUSED} --experts torch")
+        for impl in ("raw", "lightning")
+    ],
+    "moe-ep2-pairs": [(2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2}") for impl in ("raw", "lightning")],
+    "moe30b-ep2": [  # 8 layers of Qwen3-30B-A3B at EP=2 (64 experts per GPU), micro batch 4
+        (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 8 --ep 2 --gbs 8 "
+                                        f"--steps 14 --warmup 6 --mbs 4 {_FUSED} --experts torch")
         for impl in ("raw", "lightning")
     ],
     "moe-1gpu-profile": [
