@@ -28,8 +28,10 @@ class FreezeCounts(L.Callback):
 
 def test_cpu_fits_leave_the_collector_alone(tmp_path):
     out = tmp_path / "counts.json"
+    # what imports froze already (375 objects with Transformer Engine installed), inherited by the rank
+    before = gc.get_freeze_count()
     losses = fit(tmp_path, devices=1, steps=3, callbacks=[FreezeCounts(out)])  # fork-launched rank
-    assert len(losses) == 3 and json.loads(out.read_text()) == [0, 0, 0]
+    assert len(losses) == 3 and json.loads(out.read_text()) == [before] * 3
 
 
 def _steps_of_a_resumed_fit(queue) -> None:
