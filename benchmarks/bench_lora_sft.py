@@ -110,8 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=None, help="default: 2 x rank")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE shapes)")
     ap.add_argument("--experts", default="auto", choices=["auto", "te", "torch"],
-                    help="MoE shapes: GPTConfig.moe_grouped_gemm_backend (auto keeps TE's for LoRA on "
-                         "experts; torch runs the experts and their adapters as grouped GEMMs)")
+                    help="MoE shapes: GPTConfig.moe_grouped_gemm_backend (auto: torch's, which runs the "
+                         "experts and their adapters as grouped GEMMs, unless the rank is no multiple of 8)")
     ap.add_argument("--cp", type=int, default=1, help="context parallel size (data parallel: WORLD_SIZE / cp)")
     ap.add_argument("--full", action="store_true", help="full-parameter training instead of LoRA")
     recompute = ap.add_mutually_exclusive_group()

@@ -93,12 +93,14 @@ def test_expert_tensor_parallelism_passes_the_pre_launch_checks():
 @pytest.mark.usefixtures("no_fit")
 def test_grouped_gemm_experts_without_te_are_refused_before_launch(capsys, tmp_path):
     grouped = dict(MOE, moe_grouped_gemm=True)
+    # rank 4 is no multiple of 8: 'auto' keeps TE's kernel (model/lora_checks.py), not on CPU
     with pytest.raises(LoRAError, match="grouped-GEMM experts"):
-        check(grouped, LoRAConfig(target_modules="all-linear"))
+        check(grouped, LoRAConfig(target_modules="all-linear", rank=4))
     with pytest.raises(LoRAError, match="grouped-GEMM experts"):  # set through `extra` too
         check(dict(MOE, extra={"moe_grouped_gemm": True}), LoRAConfig(target_modules="all-linear"))
-    check(grouped, LoRAConfig(target_modules="all-linear", experts=False))
-    line = refused(capsys, tmp_path, write_config(tmp_path, model=grouped, lora={}), *TP2_SP, *ETP1)
+    check(grouped, LoRAConfig(target_modules="all-linear", rank=4, experts=False))
+    check(grouped, LoRAConfig(target_modules="all-linear"))  # rank 8: 'auto' is torch's, on CPU too
+    line = refused(capsys, tmp_path, write_config(tmp_path, model=grouped, lora={"rank": 4}), *TP2_SP, *ETP1)
     assert "model.init_args.model.moe_grouped_gemm=True" in line and "needs torch's grouped experts" in line
     # with Transformer Engine's grouped experts (GPU) they take adapters (tests/test_gpu_lora_experts.py)
     check_lora_plan(LoRAConfig(target_modules="all-linear"), GPTConfig(**grouped), uses_te=True)

@@ -89,8 +89,8 @@ def test_device_counts_only_at_one_expert_rank():
 
 
 def test_auto_picks_torch_where_it_runs():
-    """'auto' (the default) is torch's kernel unless a setting needs TE's; LoRA on experts
-    resolves it to 'te' in the module, an explicit 'te' stays TE's."""
+    """'auto' (the default) is torch's kernel unless a setting needs TE's; LoRA on experts with a
+    rank that is not a multiple of 8 resolves it to 'te' in the module, an explicit 'te' stays TE's."""
     from lightning_mcore.model.lora import LoRAConfig
     from lightning_mcore.model.lora_checks import expert_backend_for_lora
 
@@ -105,6 +105,7 @@ def test_auto_picks_torch_where_it_runs():
         validate_expert_gemm(moe(moe_grouped_gemm=True, **needs_te))  # auto: no refusal
     lora_experts = expert_backend_for_lora(LoRAConfig(rank=4), grouped)
     assert lora_experts.moe_grouped_gemm_backend == "te" and not lora_experts.torch_experts
+    assert expert_backend_for_lora(LoRAConfig(rank=8), grouped) is grouped  # torch's takes rank 8
     assert expert_backend_for_lora(LoRAConfig(rank=4, experts=False), grouped) is grouped
     assert expert_backend_for_lora(None, grouped) is grouped
 

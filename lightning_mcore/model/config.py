@@ -108,8 +108,8 @@ class GPTConfig:
     # per-expert token counts on the GPU: no host wait at one EP rank; model/torch_experts.py), "te"
     # (Transformer Engine's GroupedLinear: counts on the host, one wait per MoE layer and micro
     # batch), or "auto": torch's where it runs (not fp8, hidden and expert FFN sizes multiples of
-    # 8, no expert biases, no 'moe_preprocess' graph, no 'moe_act' recompute, no LoRA on
-    # experts), else TE's.
+    # 8, no expert biases, no 'moe_preprocess' graph, no 'moe_act' recompute, a LoRA rank on
+    # experts that is a multiple of 8), else TE's.
     # torch's ran 2.3-2.4x the tokens/s of TE's on one H100 (benchmarks/RESULTS.md, session 7).
     moe_grouped_gemm_backend: Literal["auto", "te", "torch"] = "auto"
     moe_router_pre_softmax: bool = False
@@ -174,8 +174,8 @@ class GPTConfig:
     def torch_experts_obstacle(self) -> Optional[tuple[str, tuple[str, ...]]]:
         """Why torch's grouped GEMM cannot compute this model's experts, with the fields involved;
         None when it can. 'auto' then keeps TE's kernel, an explicit 'torch' is refused
-        (strategy/expert_gemm.py). LoRA on experts resolves 'auto' to 'te' before
-        (model/lora_checks.py)."""
+        (strategy/expert_gemm.py). LoRA on experts with a rank that is not a multiple
+        of 8 resolves 'auto' to 'te' before (model/lora_checks.py)."""
         ffn = self.moe_ffn_hidden_size or self.ffn_hidden_size
         if self.hidden_size % 8 or ffn % 8:
             return (f"torch's grouped GEMM needs hidden_size ({self.hidden_size}) and moe_ffn_hidden_size "

@@ -57,9 +57,11 @@ def check_expert_rank(lora: LoRAConfig, model: "GPTConfig") -> None:
 
 def expert_backend_for_lora(lora: Optional[LoRAConfig], model: "GPTConfig") -> "GPTConfig":
     """`model` with moe_grouped_gemm_backend='auto' resolved to 'te' when `lora` adapts routed
-    experts: LoRA on torch's grouped experts is tested on CPU but not yet measured on GPU, so
-    'auto' keeps the kernel the GPU measurements were taken with; 'torch' asks for it."""
-    if lora is None or model.moe_grouped_gemm_backend != "auto" or not adapts_experts(lora, model):
+    experts with a rank torch's grouped GEMMs cannot take (not a multiple of 8); otherwise 'auto'
+    stays torch's where it runs, 2.6-4.7x TE's for LoRA on one H100 (benchmarks/RESULTS.md,
+    session 9)."""
+    if (lora is None or model.moe_grouped_gemm_backend != "auto" or not adapts_experts(lora, model)
+            or lora.rank % 8 == 0):
         return model
     return dataclasses.replace(model, moe_grouped_gemm_backend="te")
 
