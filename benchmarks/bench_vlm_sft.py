@@ -4,7 +4,7 @@ synthetic samples, LoRA on the decoder, vision encoder frozen, bf16.
 
     python benchmarks/bench_vlm_sft.py make --out /tmp/vl7b            # random Qwen2.5-VL-7B shape
     torchrun --nproc-per-node 1 benchmarks/bench_vlm_sft.py ours --model /tmp/vl7b
-    torchrun --nproc-per-node 2 benchmarks/bench_vlm_sft.py ours --model /tmp/vl7b --tp 2 --full  # not yet run
+    torchrun --nproc-per-node 2 benchmarks/bench_vlm_sft.py ours --model /tmp/vl7b --tp 2 [--full]
     python benchmarks/bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 2
 
 A sample: `--text` text tokens around one image of `--grid` patches (28x28 patches of 14 px:
