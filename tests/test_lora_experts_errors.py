@@ -97,7 +97,7 @@ def test_grouped_gemm_experts_without_te_are_refused_before_launch(capsys, tmp_p
     with pytest.raises(LoRAError, match="grouped-GEMM experts"):
         check(grouped, LoRAConfig(target_modules="all-linear", rank=4))
     with pytest.raises(LoRAError, match="grouped-GEMM experts"):  # set through `extra` too
-        check(dict(MOE, extra={"moe_grouped_gemm": True}), LoRAConfig(target_modules="all-linear"))
+        check(dict(MOE, extra={"moe_grouped_gemm": True}), LoRAConfig(target_modules="all-linear", rank=4))
     check(grouped, LoRAConfig(target_modules="all-linear", rank=4, experts=False))
     check(grouped, LoRAConfig(target_modules="all-linear"))  # rank 8: 'auto' is torch's, on CPU too
     line = refused(capsys, tmp_path, write_config(tmp_path, model=grouped, lora={"rank": 4}), *TP2_SP, *ETP1)

@@ -10,7 +10,7 @@ import torch
 from lightning_mcore import GPTConfig
 from lightning_mcore.strategy.expert_gemm import ExpertGemmError, validate_expert_gemm
 from lightning_mcore.strategy.parallel import ParallelConfig
-from toy import assemble, fit, tiny_config
+from toy import assemble, fit, fit_with_checkpoints, tiny_config
 
 TOL = dict(rtol=0, atol=1e-5)  # as test_moe_layouts.py: Adam steps on reductions in another order
 
@@ -61,7 +61,7 @@ def _check(message, **kw):
 def test_refusals_name_the_key():
     validate_expert_gemm(moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="torch"))
     validate_expert_gemm(moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="te"))
-    _check("moe_grouped_gemm=True")
+    _check("moe_grouped_gemm True or None", moe_grouped_gemm=False)
     _check("fp8", moe_grouped_gemm=True, fp8="current")
     _check("multiples of 8", moe_grouped_gemm=True, moe_ffn_hidden_size=60)
     _check("add_bias_linear", moe_grouped_gemm=True, extra={"add_bias_linear": True})
@@ -90,19 +90,27 @@ def test_device_counts_only_at_one_expert_rank():
 
 def test_auto_picks_torch_where_it_runs():
     """'auto' (the default) is torch's kernel unless a setting needs TE's; LoRA on experts with a
-    rank that is not a multiple of 8 resolves it to 'te' in the module, an explicit 'te' stays TE's."""
+    rank that is not a multiple of 8 resolves it to 'te' in the module, an explicit 'te' stays TE's.
+    moe_grouped_gemm=None (the default) groups the experts where torch's kernel runs, else
+    leaves them to the SequentialMLP loop."""
     from lightning_mcore.model.lora import LoRAConfig
     from lightning_mcore.model.lora_checks import expert_backend_for_lora
 
     grouped = moe(moe_grouped_gemm=True)
     assert grouped.moe_grouped_gemm_backend == "auto" and grouped.torch_experts
-    assert not moe().torch_experts  # no grouped GEMM: mcore's SequentialMLP loop
+    assert moe().moe_grouped_gemm is None and moe().torch_experts  # the default
+    assert not moe(moe_grouped_gemm=False).grouped_experts  # mcore's SequentialMLP loop
     assert not moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="te").torch_experts
+    assert moe(moe_grouped_gemm_backend="te").mcore_grouped_gemm  # a backend asked for: grouped
     for needs_te in (dict(fp8="delayed"), dict(moe_ffn_hidden_size=60), dict(extra={"add_bias_linear": True}),
                      dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
                      dict(cuda_graphs=["attn", "moe_router", "moe_preprocess"])):
         assert not moe(moe_grouped_gemm=True, **needs_te).torch_experts, needs_te
         validate_expert_gemm(moe(moe_grouped_gemm=True, **needs_te))  # auto: no refusal
+        assert not moe(**needs_te).grouped_experts, needs_te  # the default: the loop, as before
+    default = moe()
+    assert expert_backend_for_lora(LoRAConfig(rank=4), default).grouped_experts is False  # any rank
+    assert expert_backend_for_lora(LoRAConfig(rank=8), default) is default
     lora_experts = expert_backend_for_lora(LoRAConfig(rank=4), grouped)
     assert lora_experts.moe_grouped_gemm_backend == "te" and not lora_experts.torch_experts
     assert expert_backend_for_lora(LoRAConfig(rank=8), grouped) is grouped  # torch's takes rank 8
@@ -176,3 +184,16 @@ def test_grouped_linear_gradients_match_per_expert_linears(frozen, monkeypatch):
     assert len(calls) == (2 if frozen else 3)
     for got, ref in zip(grads, want):
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.distributed
+def test_sequential_mlp_checkpoint_resumes_under_the_defaults(tmp_path):
+    """A checkpoint of the SequentialMLP (moe_grouped_gemm=False, the default before) resumes with
+    the default grouped experts: the resumed steps' losses are the SequentialMLP run's."""
+    sequential = moe(vocab_size=512, moe_grouped_gemm=False)
+    straight = fit_with_checkpoints(tmp_path, "straight", 1, config=sequential)
+    fit_with_checkpoints(tmp_path, "first", 1, stop=3, config=sequential)
+    saved = str(tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt")
+    resumed = fit_with_checkpoints(tmp_path, "resumed", 1, ckpt_path=saved, config=moe(vocab_size=512))
+    assert moe(vocab_size=512).torch_experts and len(resumed) == 3
+    assert resumed == pytest.approx(straight[3:], rel=0, abs=1e-5)

@@ -103,7 +103,10 @@ class GPTConfig:
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_token_dispatcher_type: str = "alltoall"
-    moe_grouped_gemm: bool = False
+    # The routed experts as grouped GEMMs (True) or mcore's SequentialMLP, a loop over experts
+    # (False). None: grouped where torch's kernel computes them (moe_grouped_gemm_backend below;
+    # on CPU too), else the loop; or grouped whenever the backend is set to 'te' or 'torch'.
+    moe_grouped_gemm: Optional[bool] = None
     # The grouped GEMM's kernel (with moe_grouped_gemm): "torch" (torch's grouped_mm reads the
     # per-expert token counts on the GPU: no host wait at one EP rank; model/torch_experts.py), "te"
     # (Transformer Engine's GroupedLinear: counts on the host, one wait per MoE layer and micro
@@ -160,16 +163,25 @@ class GPTConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def grouped_experts(self) -> bool:
+        """Whether the routed experts run as grouped GEMMs (moe_grouped_gemm, None resolved)."""
+        if not self.num_moe_experts:
+            return False
+        if self.moe_grouped_gemm is not None:
+            return self.moe_grouped_gemm
+        return self.moe_grouped_gemm_backend != "auto" or self.torch_experts_obstacle() is None
+
+    @property
     def torch_experts(self) -> bool:
         """Routed experts on torch's grouped GEMM (model/torch_experts.py)."""
-        if not (self.num_moe_experts and self.moe_grouped_gemm) or self.moe_grouped_gemm_backend == "te":
+        if not self.grouped_experts or self.moe_grouped_gemm_backend == "te":
             return False
         return self.moe_grouped_gemm_backend == "torch" or self.torch_experts_obstacle() is None
 
     @property
     def mcore_grouped_gemm(self) -> bool:
         """mcore's own grouped experts (TE's); torch's are built as mcore's SequentialMLP."""
-        return self.moe_grouped_gemm and not self.torch_experts
+        return self.grouped_experts and not self.torch_experts
 
     def torch_experts_obstacle(self) -> Optional[tuple[str, tuple[str, ...]]]:
         """Why torch's grouped GEMM cannot compute this model's experts, with the fields involved;

@@ -56,13 +56,15 @@ def check_expert_rank(lora: LoRAConfig, model: "GPTConfig") -> None:
 
 
 def expert_backend_for_lora(lora: Optional[LoRAConfig], model: "GPTConfig") -> "GPTConfig":
-    """`model` with moe_grouped_gemm_backend='auto' resolved to 'te' when `lora` adapts routed
-    experts with a rank torch's grouped GEMMs cannot take (not a multiple of 8); otherwise 'auto'
-    stays torch's where it runs, 2.6-4.7x TE's for LoRA on one H100 (benchmarks/RESULTS.md,
-    session 9)."""
+    """`model` for `lora` adapting routed experts with a rank torch's grouped GEMMs cannot take
+    (not a multiple of 8): with moe_grouped_gemm=None (the default) the SequentialMLP, which takes
+    any rank; with moe_grouped_gemm=True backend 'auto' resolved to 'te'. Otherwise 'auto' stays
+    torch's where it runs, 2.6-4.7x TE's for LoRA on one H100 (benchmarks/RESULTS.md, session 9)."""
     if (lora is None or model.moe_grouped_gemm_backend != "auto" or not adapts_experts(lora, model)
             or lora.rank % 8 == 0):
         return model
+    if model.moe_grouped_gemm is None:
+        return dataclasses.replace(model, moe_grouped_gemm=False)
     return dataclasses.replace(model, moe_grouped_gemm_backend="te")
 
 
@@ -79,7 +81,7 @@ def refuse_grouped_gemm_experts(lora: LoRAConfig, model: "GPTConfig", uses_te: b
                 f"multiple of 8 (16-byte rows on the GPU): use lora.rank {8 * (lora.rank // 8 + 1)}, "
                 f"or moe_grouped_gemm_backend='te'.", lora=("rank",), fields=("moe_grouped_gemm_backend",))
         return
-    if (model.moe_grouped_gemm or model.extra.get("moe_grouped_gemm")) and not uses_te:
+    if (model.grouped_experts or model.extra.get("moe_grouped_gemm")) and not uses_te:
         raise LoRAPlanError(
             "LoRA on grouped-GEMM experts (moe_grouped_gemm=True) needs torch's grouped experts "
             "(moe_grouped_gemm_backend='torch') or Transformer Engine's (GPU); mcore's legacy "

@@ -22,9 +22,9 @@ def validate_expert_gemm(model: "GPTConfig") -> None:
     if model.moe_grouped_gemm_backend != "torch":
         return
     key = "moe_grouped_gemm_backend='torch'"
-    if not (model.num_moe_experts and model.moe_grouped_gemm):
+    if not model.grouped_experts:
         raise ExpertGemmError(f"{key} picks the grouped GEMM's kernel: it needs a MoE model with "
-                              f"moe_grouped_gemm=True (set it, or leave the backend 'te').",
+                              f"grouped experts (moe_grouped_gemm True or None; or leave the backend 'te').",
                               fields=("moe_grouped_gemm_backend", "moe_grouped_gemm", "num_moe_experts"))
     obstacle = model.torch_experts_obstacle()
     if obstacle:
