@@ -10,38 +10,27 @@ holds:
     index 0   -1 -1 0 1 2 -1 -1 | -1 ...         row-major number of each image token among
     index 1   -1 3 4 -1 ...                      the encoder's output rows; -1 for text
 
-The M-RoPE positions [3, rows, total] are each prompt's (data/mrope_positions.py) and, after it,
-text positions from one past its largest, as transformers' `rope_deltas` give. mcore's cached
-attention rotates the whole cache at every step, so each step gets the positions from 0 to its
-end. A deepstack encoder's features (Qwen3-VL) are looked up the same way and added by the hooks
-of model/vision.py.
+The M-RoPE positions [3, rows, total] come with the prompts (objectives/vision_generation.py).
+mcore's cached attention rotates the whole cache at every step, so each step gets the positions
+from 0 to its end. A deepstack encoder's features (Qwen3-VL) are looked up the same way as the
+embeddings and added by the hooks of model/vision.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_mcore.data.mrope_positions import mrope_positions
 from lightning_mcore.model.vision import encode_images, unwrap
 
 
-def continued_positions(ids: list[int], grids: torch.Tensor, total: int, image_token_id: int,
-                        merge_size: int) -> torch.Tensor:
-    """[3, total]: the prompt's M-RoPE positions, then text positions counting on from its largest."""
-    prompt = torch.from_numpy(mrope_positions(ids, grids.numpy(), image_token_id, merge_size))
-    after = torch.arange(total - len(ids)) + (int(prompt.max()) + 1 if len(ids) else 0)
-    return torch.cat([prompt, after.expand(3, -1)], dim=1)
-
-
 class VisionColumns:
-    """Step inputs for prompts (token ids, patches [n, dim], grids [images, 3]) generating up to
-    `total` positions."""
+    """Step inputs for prompts (token ids, patches [n, dim], grids [images, 3]) at M-RoPE
+    `positions` [3, rows, total], generating up to `total` positions."""
 
-    def __init__(self, prompts: list[tuple[list[int], torch.Tensor, torch.Tensor]], total: int,
-                 image_token_id: int, merge_size: int) -> None:
-        self.prompts = prompts
-        self.positions = torch.stack([continued_positions(ids, grids, total, image_token_id, merge_size)
-                                      for ids, _, grids in prompts], dim=1)  # [3, rows, total]
+    def __init__(self, prompts: list[tuple[list[int], torch.Tensor, torch.Tensor]], positions: torch.Tensor,
+                 image_token_id: int) -> None:
+        self.prompts, self.positions = prompts, positions
+        total = positions.shape[-1]
         self.index = torch.full((len(prompts), total), -1, dtype=torch.long)
         count = 0
         for row, (ids, _, _) in enumerate(prompts):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_mcore.data.mrope_positions import mrope_positions
 from lightning_mcore.model.generation import SamplingSettings, generate_columns, refuse_too_long
 from lightning_mcore.model.vision_columns import VisionColumns
 
@@ -31,6 +32,15 @@ def prompt_parts(prompt: dict, index: int) -> tuple[list[int], torch.Tensor, tor
     return ids, pixels, grids
 
 
+def continued_positions(ids: list[int], grids: torch.Tensor, total: int, image_token_id: int,
+                        merge_size: int) -> torch.Tensor:
+    """[3, total]: the prompt's M-RoPE positions, then text positions counting on from one past
+    its largest (transformers' `rope_deltas`)."""
+    prompt = torch.from_numpy(mrope_positions(ids, grids.numpy(), image_token_id, merge_size))
+    after = torch.arange(total - len(ids)) + int(prompt.max()) + 1  # prompts are never empty
+    return torch.cat([prompt, after.expand(3, -1)], dim=1)
+
+
 @torch.no_grad()
 def generate_vision_language(strategy, chunks, cfg, prompts: list[dict],
                              sampling: SamplingSettings) -> list[list[int]]:
@@ -42,7 +52,8 @@ def generate_vision_language(strategy, chunks, cfg, prompts: list[dict],
         return [[] for _ in prompts]
     strategy.refuse_context_parallel("generate")
     total = max(len(s) + sampling.max_new_tokens for s in sequences)
-    merge = int(cfg.vision.hf.get("spatial_merge_size", 2))
-    inputs = VisionColumns(parts, total, cfg.vision.image_token_id, merge)
+    merge, image = int(cfg.vision.hf.get("spatial_merge_size", 2)), cfg.vision.image_token_id
+    positions = torch.stack([continued_positions(ids, grids, total, image, merge) for ids, _, grids in parts], dim=1)
+    inputs = VisionColumns(parts, positions, image)
     # one stream of numbers per row: a row draws alike whatever else is in the batch
     return generate_columns(strategy, chunks, sequences, cfg, sampling, [1] * len(prompts), inputs)
