@@ -1,7 +1,8 @@
-"""On GPU, the MoE defaults (moe_grouped_gemm_backend 'auto': torch's grouped GEMM with the counts
-kept on the device, permutation and router fused) train what the old settings (Transformer
-Engine's grouped experts, unfused) train: 20 steps from the same initial weights on the same data
-give the same losses within bf16 rounding. And a checkpoint written with TE's grouped experts
+"""On GPU, the MoE defaults (moe_grouped_gemm None and backend 'auto': torch's grouped GEMM with
+the counts kept on the device, permutation and router fused) train what the old settings
+(Transformer Engine's grouped experts, unfused; and mcore's SequentialMLP, the default before
+session 9) train: 20 steps from the same initial weights on the same data give the same losses
+within bf16 rounding. And a checkpoint written with TE's grouped experts
 resumes under the defaults (the two share mcore's checkpoint layout). Skipped without CUDA."""
 
 import pytest
@@ -20,18 +21,23 @@ def moe(backend: str, **overrides):
                                  moe_grouped_gemm_backend=backend), **overrides})
 
 
-def test_defaults_train_as_te_grouped_experts(tmp_path):
+def test_defaults_train_as_the_old_settings(tmp_path):
     data = TokenRows(n=16, seq=128, vocab=1024)  # 16 rows seen 10 times: memorised, the loss falls
-    runs = {backend: fit(tmp_path, steps=20, gbs=8, mbs=2, config=moe(backend), dataset=data, name=backend,
-                         optim=OptimizerSettings(lr=3e-3), accelerator="gpu", precision="bf16-mixed",
-                         start_method="popen")
-            for backend in ("te", "auto")}
-    old, new = runs["te"], runs["auto"]
-    assert len(old) == len(new) == 20
-    print("losses te", old, "auto", new)
-    assert old[-1] < old[0] - 1.0, "the reference did not learn"
-    for step, (a, b) in enumerate(zip(old, new)):
-        assert b == pytest.approx(a, rel=1e-2), f"step {step}: te {a} vs auto {b}"
+    configs = {"te": moe("te"), "sequential": moe("auto", moe_grouped_gemm=False),
+               "defaults": moe("auto", moe_grouped_gemm=None)}
+    assert configs["defaults"].torch_experts and not configs["sequential"].grouped_experts
+    runs = {name: fit(tmp_path, steps=20, gbs=8, mbs=2, config=config, dataset=data, name=name,
+                      optim=OptimizerSettings(lr=3e-3), accelerator="gpu", precision="bf16-mixed",
+                      start_method="popen")
+            for name, config in configs.items()}
+    new = runs["defaults"]
+    print("losses", runs)
+    for name in ("te", "sequential"):
+        old = runs[name]
+        assert len(old) == len(new) == 20
+        assert old[-1] < old[0] - 1.0, f"the reference ({name}) did not learn"
+        for step, (a, b) in enumerate(zip(old, new)):
+            assert b == pytest.approx(a, rel=1e-2), f"step {step}: {name} {a} vs defaults {b}"
 
 
 def test_te_checkpoint_resumes_under_the_defaults(tmp_path):

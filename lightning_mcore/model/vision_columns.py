@@ -52,10 +52,11 @@ class VisionColumns:
             return model(**kwargs)
         embeddings = gpt.embedding(input_ids=mb["tokens"], position_ids=None)  # [n, rows, hidden]
         images, deep = self._encoded(gpt.visual)
-        index = self.index[:, mb["start"]:mb["start"] + embeddings.shape[0]].t().to(embeddings.device)
-        here = index >= 0
+        index = self.index[:, mb["start"]:mb["start"] + embeddings.shape[0]].t()
         features = []
-        if here.any():
+        if (index >= 0).any():  # asked on the host: a decode step of text waits for nothing
+            index = index.to(embeddings.device)
+            here = index >= 0
             embeddings = embeddings.clone()
             embeddings[here] = images[index[here]].to(embeddings.dtype)
             for f in deep:
