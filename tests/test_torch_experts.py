@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_mcore import GPTConfig
-from lightning_mcore.strategy.expert_gemm import ExpertGemmError, validate_expert_gemm
+from lightning_mcore.strategy.expert_gemm import ExpertGemmError, validate_expert_gemm, validate_expert_kernel
 from lightning_mcore.strategy.parallel import ParallelConfig
 from toy import assemble, fit, fit_with_checkpoints, tiny_config
 
@@ -66,6 +66,11 @@ def test_refusals_name_the_key():
     _check("multiples of 8", moe_grouped_gemm=True, moe_ffn_hidden_size=60)
     _check("add_bias_linear", moe_grouped_gemm=True, extra={"add_bias_linear": True})
     _check("moe_preprocess", moe_grouped_gemm=True, cuda_graphs=["attn", "moe_router", "moe_preprocess"])
+    # TE's grouped experts without TE (CPU): refused before a rank builds mcore's legacy GroupedMLP
+    with pytest.raises(ExpertGemmError, match="needs TE on a GPU"):
+        validate_expert_kernel(moe(moe_grouped_gemm_backend="te"), use_te=False)
+    validate_expert_kernel(moe(moe_grouped_gemm_backend="te"), use_te=True)
+    validate_expert_kernel(moe(), use_te=False)  # the default: torch's kernel, on CPU too
 
 
 def test_device_counts_only_at_one_expert_rank():

@@ -33,7 +33,7 @@ from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, validate_cuda_graphs,
                                                   validate_graphed_module)
-from lightning_mcore.strategy.expert_gemm import validate_expert_gemm
+from lightning_mcore.strategy.expert_gemm import validate_expert_gemm, validate_expert_kernel
 from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
@@ -184,6 +184,8 @@ class MegatronStrategy(DDPStrategy):
             from lightning_mcore.model.lora_checks import check_lora_plan
 
             check_lora_plan(module.lora, model_config, self.uses_te(model_config))
+        if model_config is not None:  # after LoRA's check, whose refusal names the LoRA fix
+            validate_expert_kernel(model_config, self.uses_te(model_config))
         self.refuse_packed_context_parallel(module)
         if model_config is not None:
             validate_graphed_module(model_config, type(module).__name__, getattr(module, "packed_sequences", False))
