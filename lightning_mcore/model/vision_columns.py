@@ -40,9 +40,9 @@ class VisionColumns:
         self.images = None  # encoder output rows and deepstack features, at the first step
 
     def batch(self, columns: torch.Tensor, start: int) -> dict:
-        n = columns.shape[1]
-        return {"tokens": columns, "start": start,
-                "position_ids": self.positions[:, :, :start + n].to(columns.device)}
+        if self.positions.device != columns.device:  # once: not a host copy per decode step
+            self.positions = self.positions.to(columns.device)
+        return {"tokens": columns, "start": start, "position_ids": self.positions[:, :, :start + columns.shape[1]]}
 
     def forward(self, model, mb: dict, context):
         kwargs = dict(input_ids=mb["tokens"], position_ids=mb["position_ids"], attention_mask=None,
