@@ -104,6 +104,7 @@ class StepTimer:
         self.gc_pauses: list[tuple[int, float]] = []  # (step index, seconds) of each collection
         self.full_gc_ms: Optional[float] = None  # one full collection after the last step (measure_gc_at)
         self.measure_gc_at: Optional[int] = None
+        self.device_used = 0  # most bytes in use on the device at a step's end (all of it, not only torch's)
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -139,6 +140,8 @@ class StepTimer:
         self.times.append(time.perf_counter() - self._t)
         self.host.append(time.thread_time() - self._h)
         self.gc.append(self._gc_total - self._gc_start)
+        free, total = torch.cuda.mem_get_info()
+        self.device_used = max(self.device_used, total - free)
         if len(self.times) == self.measure_gc_at:  # what a full collection costs now (lightning: frozen)
             t = time.perf_counter()
             gc.collect()
@@ -308,7 +311,22 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
         def tensor_init_context(self, empty_init=None):
             yield
 
-    strategy = (NoInitDevice if args.no_init_device_context else MegatronStrategy)(
+    base = NoInitDevice if args.no_init_device_context else MegatronStrategy
+
+    class LazyNccl(base):
+        """--lazy-nccl: torch.distributed started without binding the device. Lightning binds it,
+        and then every process group mcore creates opens its NCCL communicator at once."""
+
+        def setup_distributed(self) -> None:
+            from lightning.fabric.utilities.distributed import _init_dist_connection
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()
+            self.set_world_ranks()
+            self._process_group_backend = self._get_process_group_backend()
+            _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    strategy = (LazyNccl if args.lazy_nccl else base)(
         **parallel.sizes(), sequence_parallel=parallel.sequence_parallel,
         global_batch_size=args.gbs, micro_batch_size=args.mbs,
     )
@@ -358,6 +376,8 @@ def main() -> None:
     ap.add_argument("--pyprofile", action="store_true", help="print cProfile tables of steps 10-12 (rank 0)")
     ap.add_argument("--nccl-device-id", action="store_true",
                     help="raw only: init_process_group(device_id=...), as Lightning's DDP strategies do")
+    ap.add_argument("--lazy-nccl", action="store_true",
+                    help="lightning only: init_process_group without device_id (NCCL communicators opened lazily)")
     ap.add_argument("--init-device-context", action="store_true",
                     help="raw only: build the model inside torch.device(cuda), as Lightning's configure_model does")
     ap.add_argument("--no-init-device-context", action="store_true",
@@ -463,6 +483,7 @@ def main() -> None:
             "recompute": args.recompute, "recompute_block": args.recompute_block,
             "moe_capacity": args.moe_capacity, "pinned_cpus_rank0": pinned, "layers": cfg.num_layers,
             "set": args.set, "cuda_graphs": args.cuda_graphs, "manual_gc": args.manual_gc, "experts": args.experts,
+            "nccl_device_id": args.nccl_device_id or (args.impl == "lightning" and not args.lazy_nccl),
             "init_device_context": args.init_device_context or (args.impl == "lightning"
                                                                 and not args.no_init_device_context),
             "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,
@@ -470,6 +491,10 @@ def main() -> None:
             "tokens_per_s_per_gpu": round(tokens_per_gpu), "mfu": round(mfu, 4),
             "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
+            # what the caching allocator held at most, and the most the device had in use at a
+            # step's end (the allocator's segments plus CUDA context, NCCL and library workspaces)
+            "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 1),
+            "device_used_gb": round(timer.device_used / 2**30, 1),
             "step_s_spread": [round(min(timed), 4), round(max(timed), 4)],
             "ranks": per_rank,  # main-thread CPU ms and GC-pause ms per timed step, per rank
             "wgrad_fusion": None if args.impl.startswith("hf") else not args.no_wgrad_fusion,

@@ -210,6 +210,27 @@ CASES = {
                                         f"--warmup 6 --mbs 4 {_FUSED} --experts torch")
         for impl in ("raw", "lightning")
     ],
+    # lightning's allocator retries at the 30B shape (raw has none at the same peak): where its
+    # memory goes, with the model built inside torch.device(cuda) (Lightning's way) and outside
+    "moe30b-1gpu-memory": [
+        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
+                                             f"--warmup 6 --mbs 4 {_FUSED} --experts torch{flag}")
+        for impl, tag, flag in (("raw", "", ""), ("lightning", "", ""),
+                                ("lightning", "-noinitdev", " --no-init-device-context"))
+    ],
+    # the same, bisecting the process-group start: Lightning binds the device (device_id), which
+    # opens every mcore group's NCCL communicator at once; the raw loop binds nothing
+    "moe30b-1gpu-nccl": [
+        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
+                                             f"--warmup 6 --mbs 4 {_FUSED} --experts torch{flag}")
+        for impl, tag, flag in (("raw", "", ""), ("raw", "-devid", " --nccl-device-id"), ("lightning", "", ""),
+                                ("lightning", "-lazynccl", " --lazy-nccl"))
+    ],
+    "moe30b-1gpu-profile": [  # where lightning's step differs from raw's at the 30B shape (profiles/..._LABEL/)
+        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 13 "
+                                             f"--warmup 10 --mbs 4 {_FUSED} --experts torch {flag}")
+        for tag, flag in (("", "--profile"), ("-py", "--pyprofile")) for impl in ("raw", "lightning")
+    ],
     "moe-ep2-pairs": [(2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2}") for impl in ("raw", "lightning")],
     "moe30b-ep2": [  # 8 layers of Qwen3-30B-A3B at EP=2 (64 experts per GPU), micro batch 4
         (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 8 --ep 2 --gbs 8 "

@@ -81,3 +81,13 @@ def check_graph_shape(model: "GPTConfig", first: Optional[tuple], shape: tuple) 
             f"captured steps {tuple(first)}. CUDA graphs replay one shape: pad every batch to the "
             f"same length (e.g. to seq_length) or leave cuda_graphs unset.")
     return tuple(shape)
+
+
+def release_captured_graphs() -> None:
+    """Give back what a fit's captures hold: mcore keeps the graphs, their memory pool and the
+    flag that they exist in process globals. A second graphed fit in the same process (a notebook,
+    a test session) would otherwise look up the first model's graphs and stop with mcore's
+    "no matching cudagraph runners", and the first fit's pool would stay allocated."""
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    delete_cuda_graphs()

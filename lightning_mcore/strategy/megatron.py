@@ -31,8 +31,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
-from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, validate_cuda_graphs,
-                                                  validate_graphed_module)
+from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, release_captured_graphs,
+                                                  validate_cuda_graphs, validate_graphed_module)
 from lightning_mcore.strategy.expert_gemm import validate_expert_gemm, validate_expert_kernel
 from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
@@ -191,6 +191,20 @@ class MegatronStrategy(DDPStrategy):
             validate_graphed_module(model_config, type(module).__name__, getattr(module, "packed_sequences", False))
         if hasattr(module, "check_layout"):  # the module's own needs of the batch (GRPO's groups)
             module.check_layout(self)
+
+    def setup_distributed(self) -> None:
+        """Lightning's, but the process group is not bound to the device (no `device_id`), as
+        Megatron-LM starts it. Bound, torch opens the NCCL communicator of every group mcore
+        creates at once: on one H100 that held 6.1 GiB outside PyTorch's allocator, enough to
+        push a 30B-A3B-shaped run into allocator retries (benchmarks/RESULTS.md, session 10).
+        Unbound, each communicator opens at its group's first collective."""
+        from lightning.fabric.utilities.distributed import _init_dist_connection
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
 
     def setup_environment(self) -> None:
         self.validate_module(self.lightning_module)  # still before any process group exists
@@ -663,6 +677,9 @@ class MegatronStrategy(DDPStrategy):
 
         self.finalize_async_saves(blocking=True)
         self._long_lived.release()
+        if self._graph_shape is not None:  # a graphed step ran (or began): its captures go
+            release_captured_graphs()
+            self._graph_shape = None
         if parallel_state.model_parallel_is_initialized():
             destroy_model_parallel()
         super().teardown()
