@@ -286,6 +286,8 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
     and the MegatronThroughput callback, whose logged MFU is reported next to ours."""
     import lightning as L
 
+    from lightning.pytorch.strategies import DDPStrategy
+
     from lightning_mcore import MegatronStrategy, MegatronThroughput, OptimizerSettings, PretrainModule
 
     timer = StepTimer(args.profile, args.pyprofile, args.manual_gc)
@@ -313,20 +315,14 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
 
     base = NoInitDevice if args.no_init_device_context else MegatronStrategy
 
-    class LazyNccl(base):
-        """--lazy-nccl: torch.distributed started without binding the device. Lightning binds it,
-        and then every process group mcore creates opens its NCCL communicator at once."""
+    class BoundNccl(base):
+        """--nccl-device-id: torch.distributed bound to the device, as Lightning's DDPStrategy starts
+        it (MegatronStrategy does not: every mcore group would open its NCCL communicator at once)."""
 
         def setup_distributed(self) -> None:
-            from lightning.fabric.utilities.distributed import _init_dist_connection
-            from lightning.fabric.utilities.seed import reset_seed
+            DDPStrategy.setup_distributed(self)
 
-            reset_seed()
-            self.set_world_ranks()
-            self._process_group_backend = self._get_process_group_backend()
-            _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-
-    strategy = (LazyNccl if args.lazy_nccl else base)(
+    strategy = (BoundNccl if args.nccl_device_id else base)(
         **parallel.sizes(), sequence_parallel=parallel.sequence_parallel,
         global_batch_size=args.gbs, micro_batch_size=args.mbs,
     )
@@ -376,8 +372,6 @@ def main() -> None:
     ap.add_argument("--pyprofile", action="store_true", help="print cProfile tables of steps 10-12 (rank 0)")
     ap.add_argument("--nccl-device-id", action="store_true",
                     help="raw only: init_process_group(device_id=...), as Lightning's DDP strategies do")
-    ap.add_argument("--lazy-nccl", action="store_true",
-                    help="lightning only: init_process_group without device_id (NCCL communicators opened lazily)")
     ap.add_argument("--init-device-context", action="store_true",
                     help="raw only: build the model inside torch.device(cuda), as Lightning's configure_model does")
     ap.add_argument("--no-init-device-context", action="store_true",
@@ -483,7 +477,7 @@ def main() -> None:
             "recompute": args.recompute, "recompute_block": args.recompute_block,
             "moe_capacity": args.moe_capacity, "pinned_cpus_rank0": pinned, "layers": cfg.num_layers,
             "set": args.set, "cuda_graphs": args.cuda_graphs, "manual_gc": args.manual_gc, "experts": args.experts,
-            "nccl_device_id": args.nccl_device_id or (args.impl == "lightning" and not args.lazy_nccl),
+            "nccl_device_id": args.nccl_device_id,
             "init_device_context": args.init_device_context or (args.impl == "lightning"
                                                                 and not args.no_init_device_context),
             "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,

@@ -211,20 +211,22 @@ CASES = {
         for impl in ("raw", "lightning")
     ],
     # lightning's allocator retries at the 30B shape (raw has none at the same peak): where its
-    # memory goes, with the model built inside torch.device(cuda) (Lightning's way) and outside
+    # memory goes, with the model built inside torch.device(cuda) (Lightning's way) and outside;
+    # lightning as measured then, its process group bound to the device (before session 10's fix)
     "moe30b-1gpu-memory": [
         (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
                                              f"--warmup 6 --mbs 4 {_FUSED} --experts torch{flag}")
-        for impl, tag, flag in (("raw", "", ""), ("lightning", "", ""),
-                                ("lightning", "-noinitdev", " --no-init-device-context"))
+        for impl, tag, flag in (("raw", "", ""), ("lightning", "", " --nccl-device-id"),
+                                ("lightning", "-noinitdev", " --nccl-device-id --no-init-device-context"))
     ],
-    # the same, bisecting the process-group start: Lightning binds the device (device_id), which
-    # opens every mcore group's NCCL communicator at once; the raw loop binds nothing
+    # the same, bisecting the process-group start: bound to the device (device_id, Lightning's
+    # DDPStrategy), every mcore group opens its NCCL communicator at once; unbound (the raw loop,
+    # and MegatronStrategy since session 10) each opens at its first collective
     "moe30b-1gpu-nccl": [
         (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
                                              f"--warmup 6 --mbs 4 {_FUSED} --experts torch{flag}")
-        for impl, tag, flag in (("raw", "", ""), ("raw", "-devid", " --nccl-device-id"), ("lightning", "", ""),
-                                ("lightning", "-lazynccl", " --lazy-nccl"))
+        for impl, tag, flag in (("raw", "", ""), ("raw", "-devid", " --nccl-device-id"),
+                                ("lightning", "-devid", " --nccl-device-id"), ("lightning", "", ""))
     ],
     "moe30b-1gpu-profile": [  # where lightning's step differs from raw's at the 30B shape (profiles/..._LABEL/)
         (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 13 "
