@@ -127,6 +127,7 @@ CASES = {
     "1b-levers": [
         (1, "lightning", "--impl lightning --mbs 4"),
         (1, "lightning-graphs", "--impl lightning --mbs 4 --cuda-graphs layer"),
+        (1, "raw-graphs", "--impl raw --mbs 4 --cuda-graphs layer"),
     ],
     "1b-profile": [(1, "lightning", "--impl lightning --mbs 4 --steps 13 --warmup 10 --profile")],
     # the moe shape's first 6 layers on one GPU (EP=1; 2.6B parameters): micro batch, mcore's
