@@ -262,8 +262,8 @@ def run(gpus: int, args: str, log, alloc_conf: str, profile_dir: Path) -> dict |
 
 def summarize(case: str, results: dict) -> None:
     print(f"\n== {case}")
-    print(f"{'run':16} {'tok/s/GPU':>10} {'MFU':>7} {'callback MFU':>13} {'mem GiB':>8} {'retries':>8} "
-          f"{'host ms/step per rank':>22} {'gc ms':>6} {'final loss':>10}")
+    print(f"{'run':16} {'tok/s/GPU':>10} {'MFU':>7} {'callback MFU':>13} {'mem GiB':>8} {'device GiB':>11} "
+          f"{'retries':>8} {'host ms/step per rank':>22} {'gc ms':>6} {'final loss':>10}")
     for label, r in results.items():
         cb = r.get("callback", {}).get("perf/mfu")
         loss = r["losses"][-1] if r.get("losses") else None
@@ -272,7 +272,7 @@ def summarize(case: str, results: dict) -> None:
         gc_ms = max((x["gc_ms"] for x in ranks), default=0)
         print(f"{label:16} {r['tokens_per_s_per_gpu']:>10} {100 * r['mfu']:>6.1f}% "
               f"{(f'{cb:.1f}%' if cb is not None else '-'):>13} {r['peak_mem_gb']:>8} "
-              f"{r.get('alloc_retries', '-'):>8} {host:>22} {gc_ms:>6} "
+              f"{r.get('device_used_gb', '-'):>11} {r.get('alloc_retries', '-'):>8} {host:>22} {gc_ms:>6} "
               f"{(f'{loss:.4f}' if loss is not None else '-'):>10}")
     tok = {k: r["tokens_per_s_per_gpu"] for k, r in results.items()}
     pairs = [("lightning", "raw"), ("raw", "raw-nofuse"), ("lightning", "hf-compile"), ("lightning", "hf-eager"),
