@@ -87,7 +87,10 @@ class RandomTokens(Dataset):
 class StepTimer:
     """Wall time of each optimizer step, CUDA-synchronised, plus the host side of the same
     window: the main thread's CPU time and Python's garbage-collector pauses. Optionally
-    profiles steps 10-12 with torch.profiler (`profile`) or cProfile (`pyprofile`)."""
+    profiles steps 10-12 with torch.profiler (`profile`) or cProfile (`pyprofile`).
+    `free_running`: synchronised only at the ends of the timed window (steps warmup..last), so
+    that the host runs ahead of the GPU between steps as in a run without a timer; then only
+    the window's time (`window_s`) means anything, not the single steps'."""
 
     def __init__(self, profile: bool = False, pyprofile: bool = False, manual_gc: int = 0) -> None:
         self.times: list[float] = []
@@ -105,6 +108,8 @@ class StepTimer:
         self.full_gc_ms: Optional[float] = None  # one full collection after the last step (measure_gc_at)
         self.measure_gc_at: Optional[int] = None
         self.device_used = 0  # most bytes in use on the device at a step's end (all of it, not only torch's)
+        self.free_running, self.warmup = False, 0
+        self._window_t0, self.window_s = 0.0, None
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -116,7 +121,8 @@ class StepTimer:
             self.gc_pauses.append((len(self.times), pause))
 
     def start(self) -> None:
-        torch.cuda.synchronize()
+        if not self.free_running or len(self.times) == self.warmup:
+            torch.cuda.synchronize()
         if self.manual_gc and not self.times and gc.isenabled():
             gc.collect()
             gc.freeze()
@@ -132,12 +138,18 @@ class StepTimer:
         self._gc_start = self._gc_total
         self._h = time.thread_time()
         self._t = time.perf_counter()
+        if len(self.times) == self.warmup:
+            self._window_t0 = self._t
 
     def stop(self) -> None:
         if self.manual_gc and (len(self.times) + 1) % self.manual_gc == 0:
             gc.collect()
-        torch.cuda.synchronize()
+        last = len(self.times) + 1 == self.measure_gc_at
+        if not self.free_running or last:
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self._t)
+        if last:
+            self.window_s = time.perf_counter() - self._window_t0
         self.host.append(time.thread_time() - self._h)
         self.gc.append(self._gc_total - self._gc_start)
         free, total = torch.cuda.mem_get_info()
@@ -254,7 +266,7 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
         return out, loss_fn
 
     timer = StepTimer(args.profile, args.pyprofile, args.manual_gc)
-    timer.measure_gc_at = args.steps
+    timer.measure_gc_at, timer.free_running, timer.warmup = args.steps, args.free_running, args.warmup
     for step, batch in enumerate(loader):
         if step == args.steps:
             break
@@ -291,7 +303,7 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
     from lightning_mcore import MegatronStrategy, MegatronThroughput, OptimizerSettings, PretrainModule
 
     timer = StepTimer(args.profile, args.pyprofile, args.manual_gc)
-    timer.measure_gc_at = args.steps
+    timer.measure_gc_at, timer.free_running, timer.warmup = args.steps, args.free_running, args.warmup
     logged: dict = {}
 
     class Timing(L.Callback):
@@ -326,7 +338,9 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
         **parallel.sizes(), sequence_parallel=parallel.sequence_parallel,
         global_batch_size=args.gbs, micro_batch_size=args.mbs,
     )
-    window = args.steps - args.warmup + 1  # the callback's window = the steps timed here
+    # the callback measures every `window` steps: the last of its windows ends with the last
+    # step and lies inside the timed steps (all of them when the window divides the steps)
+    window = next((w for w in range(args.steps - args.warmup, 1, -1) if args.steps % w == 0), args.steps)
     trainer = L.Trainer(accelerator="gpu", devices=int(os.environ.get("WORLD_SIZE", 1)),
                         strategy=strategy, precision="bf16-mixed", max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -376,6 +390,9 @@ def main() -> None:
                     help="raw only: build the model inside torch.device(cuda), as Lightning's configure_model does")
     ap.add_argument("--no-init-device-context", action="store_true",
                     help="lightning only: build the model outside Lightning's torch.device(cuda) context")
+    ap.add_argument("--free-running", action="store_true",
+                    help="synchronise only at the timed window's ends (the host runs ahead between steps, "
+                         "as without a timer); step_s = window time / steps")
     ap.add_argument("--pin-cpus", action="store_true",
                     help="each rank on its own block of CPUs (threads and data workers included)")
     ap.add_argument("--moe-capacity", type=float, default=None, metavar="F",
@@ -409,6 +426,8 @@ def main() -> None:
         ap.error("--init-device-context applies to --impl raw only (lightning builds inside it already)")
     if args.no_init_device_context and args.impl != "lightning":
         ap.error("--no-init-device-context applies to --impl lightning only")
+    if args.free_running and args.impl.startswith("hf"):
+        ap.error("--free-running applies to --impl raw and lightning")
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     shape = dict(SHAPES[args.shape])
@@ -467,7 +486,7 @@ def main() -> None:
         per_rank = [host]
     if int(os.environ.get("RANK", 0)) == 0:
         timed = timer.times[args.warmup:]
-        step = sum(timed) / len(timed)
+        step = timer.window_s / len(timed) if args.free_running else sum(timed) / len(timed)
         tokens_per_gpu = args.gbs * args.seq / step / world
         mfu = tokens_per_gpu * flops_per_token(cfg, args.seq) / (PEAK_BF16_TFLOPS * 1e12)
         result = {
@@ -489,7 +508,9 @@ def main() -> None:
             # step's end (the allocator's segments plus CUDA context, NCCL and library workspaces)
             "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 1),
             "device_used_gb": round(timer.device_used / 2**30, 1),
-            "step_s_spread": [round(min(timed), 4), round(max(timed), 4)],
+            # one step's time means nothing when free-running (the host runs ahead of the GPU)
+            "step_s_spread": None if args.free_running else [round(min(timed), 4), round(max(timed), 4)],
+            "free_running": args.free_running,
             "ranks": per_rank,  # main-thread CPU ms and GC-pause ms per timed step, per rank
             "wgrad_fusion": None if args.impl.startswith("hf") else not args.no_wgrad_fusion,
             "precision_aware": None if args.impl.startswith("hf") else not args.no_precision_aware,

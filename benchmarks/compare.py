@@ -234,6 +234,23 @@ CASES = {
                                              f"--warmup 10 --mbs 4 {_FUSED} --experts torch {flag}")
         for tag, flag in (("", "--profile"), ("-py", "--pyprofile")) for impl in ("raw", "lightning")
     ],
+    # session 11: lightning's step waits for the GPU once (the update's check), and the timer only
+    # at the window's ends (--free-running), so the host runs ahead between steps as in a real run
+    "moe30b-1gpu-free": [
+        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
+                                        f"--warmup 7 --mbs 4 {_FUSED} --experts torch --free-running")
+        for impl in ("raw", "lightning")
+    ],
+    "moe-1gpu-free": [
+        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-moe-small --layers 6 --gbs 8 --steps 14 "
+                                        f"--warmup 7 --mbs 4 {_FUSED} --experts torch --free-running")
+        for impl in ("raw", "lightning")
+    ],
+    "moe-ep2-free": [  # _MOE2 with 8 timed steps: the throughput callback's window (8) divides the 16
+        (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-moe-small --ep 2 --mbs 4 --gbs 8 --steps 16 "
+                                        f"--warmup 8 {_FUSED} --experts torch --free-running")
+        for impl in ("raw", "lightning")
+    ],
     "moe-ep2-pairs": [(2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2}") for impl in ("raw", "lightning")],
     "moe30b-ep2": [  # 8 layers of Qwen3-30B-A3B at EP=2 (64 experts per GPU), micro batch 4
         (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 8 --ep 2 --gbs 8 "

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-from lightning_mcore.strategy.nonfinite import NonFiniteError
+from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values
 from toy import TokenRows, sharded_weights, tiny_config
 
 
@@ -181,3 +181,11 @@ def test_export_command_refuses_a_checkpoint_with_nan_weights(tmp_path, monkeypa
     assert result.returncode != 0
     assert f"refusing to write the HF export {out}: the model's weights hold NaN/inf" in result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["ckpts"]  # no export, no temporary
+
+
+def test_host_values_keep_order_none_and_numbers():
+    """The step's check reads its values back in one copy: each in its place, None kept,
+    numbers passed through, NaN still NaN."""
+    values = host_values(torch.tensor(1.5), None, 2, torch.tensor([math.nan]), torch.tensor(3))
+    assert values[:3] == [1.5, None, 2.0] and math.isnan(values[3]) and values[4] == 3.0
+    assert all(type(v) is float for v in values if v is not None)

@@ -56,10 +56,14 @@ def test_flops_per_token_equal_torch_flop_counter(family, tmp_path):
 
 
 class StepEnds(L.Callback):
-    """Wall-clock stamps of each batch end (just before MegatronThroughput takes its own)."""
+    """Wall-clock stamps of the start of training and of each batch end (just before
+    MegatronThroughput takes its own): stamps[k] is the end of the k-th batch."""
 
     def __init__(self):
         self.stamps = []
+
+    def on_train_start(self, trainer, *args):
+        self.stamps.append(time.perf_counter())
 
     def on_train_batch_end(self, trainer, *args):
         self.stamps.append(time.perf_counter())
@@ -87,12 +91,13 @@ def test_logged_throughput_and_mfu_follow_step_times_from_the_last_stage(tmp_pat
     stamps = torch.load(tmp_path / "stamps.pt")
 
     perf = [r for r in rows if r.get("perf/tokens_per_sec_per_gpu")]
-    assert [int(r["step"]) for r in perf] == list(range(window - 1, steps))  # once the window is full
+    # from the first window's end on (Lightning logs the last value again at the steps between)
+    assert [int(r["step"]) for r in perf] == list(range(window - 1, steps))
     flops_per_token = training_flops_per_token(cfg, cfg.seq_length)
     for r in perf:
-        end = int(r["step"])  # step index of the window's last batch
-        seconds = stamps[end] - stamps[end - window + 1]
-        tokens_per_gpu = gbs * cfg.seq_length * (window - 1) / seconds / 2
+        end = (int(r["step"]) + 1) // window * window  # the last window's last batch (step counts from 0)
+        seconds = stamps[end] - stamps[end - window]
+        tokens_per_gpu = gbs * cfg.seq_length * window / seconds / 2
         assert float(r["perf/tokens_per_sec_per_gpu"]) == pytest.approx(tokens_per_gpu, rel=0.02)
         tflops = float(r["perf/tokens_per_sec_per_gpu"]) * flops_per_token / 1e12
         assert float(r["perf/tflops_per_gpu"]) == pytest.approx(tflops, rel=1e-6)

@@ -27,7 +27,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
 
 
 class MegatronThroughput(L.Callback):
-    """Logs, every step once `window_size` steps have passed, averaged over the last window:
+    """Logs, every `window_size` steps, the rates over those steps:
 
     - `perf/tokens_per_sec_per_gpu`: global batch tokens (global_batch_size x seq) per second,
       divided by the world size (every GPU, whatever its role in TP/PP/CP/EP);
@@ -35,13 +35,15 @@ class MegatronThroughput(L.Callback):
       peak): model FLOPs from the config (model/flops.py: attention incl. GQA, SwiGLU, MoE
       active experts; 2 x forward instead of 3 x with LoRA, whose base gets no weight grads).
 
-    Step times are measured between CUDA-synchronised batch ends on rank 0 (every rank waits
-    for the same optimizer step), with Lightning's `Throughput` doing the windowing.
+    A window is timed between CUDA-synchronised batch ends on rank 0 (every rank waits for the
+    same optimizer step), the first one from the start of training. Only a window's end waits
+    for the GPU: a wait every step would keep the host from queueing the next step while the
+    GPU runs the update (as Megatron-LM's timers, synchronised at its log interval).
     """
 
     def __init__(self, window_size: int = 10, peak_tflops: Optional[float] = None) -> None:
-        if window_size < 2:
-            raise ValueError(f"window_size must be >= 2 (a rate needs two step ends), got {window_size}.")
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1 (steps per measurement), got {window_size}.")
         self.window_size, self.peak_tflops = window_size, peak_tflops
         self._throughput: Optional[Throughput] = None
 
@@ -50,13 +52,14 @@ class MegatronThroughput(L.Callback):
         peak = self.peak_tflops * 1e12 if self.peak_tflops else peak_flops(strategy.root_device, strategy.dtype)
         # All GPUs count as one "device" for Throughput: we pass global tokens and FLOPs, and
         # the available FLOPs of the whole job; per-GPU rates are divided out when logging.
+        # Its window of 2 updates spans one of ours: an update at each synchronised window end.
         self._throughput = Throughput(
-            available_flops=peak * trainer.world_size if peak else None, world_size=1,
-            window_size=self.window_size,
+            available_flops=peak * trainer.world_size if peak else None, world_size=1, window_size=2,
         )
-        self._steps, self._tokens = 0, 0
+        self._steps, self._tokens, self._flops = 0, 0, 0
         self._sync(strategy)
         self._started = time.perf_counter()
+        self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
 
     @staticmethod
     def _sync(strategy) -> None:
@@ -68,26 +71,28 @@ class MegatronThroughput(L.Callback):
         if not torch.is_tensor(tokens):
             return  # not token rows (GRPO's prompts: it logs its own rollout and step times)
         strategy = trainer.strategy
-        self._sync(strategy)
         seq = tokens.shape[1]
         rows = strategy.batch.global_batch_size
         self._steps += 1
         self._tokens += rows * seq
         frozen_base = getattr(pl_module, "lora", None) is not None
-        flops = rows * seq * training_flops_per_token(pl_module.model_config, seq, frozen_base)
+        self._flops += rows * seq * training_flops_per_token(pl_module.model_config, seq, frozen_base)
+        if self._steps % self.window_size:
+            return
+        self._sync(strategy)
         self._throughput.update(
             time=time.perf_counter() - self._started, batches=self._steps,
-            samples=self._steps * rows, lengths=self._tokens, flops=flops,
+            samples=self._steps * rows, lengths=self._tokens, flops=self._flops,
         )
+        self._flops = 0
         metrics = self._throughput.compute()
-        if "device/items_per_sec" not in metrics:
-            return  # the window is not full yet
         world = trainer.world_size
         logs = {"perf/tokens_per_sec_per_gpu": metrics["device/items_per_sec"] / world}
         if "device/flops_per_sec" in metrics:
             logs["perf/tflops_per_gpu"] = metrics["device/flops_per_sec"] / world / 1e12
         if "device/mfu" in metrics:
             logs["perf/mfu"] = 100.0 * metrics["device/mfu"]
+        logs = {k: torch.tensor(v) for k, v in logs.items()}  # CPU: nothing to copy to the GPU
         pl_module.log_dict(logs, batch_size=1)
         shown = "perf/mfu" if "perf/mfu" in logs else "perf/tokens_per_sec_per_gpu"
         pl_module.log(shown.removeprefix("perf/"), logs[shown], prog_bar=True, logger=False, batch_size=1)

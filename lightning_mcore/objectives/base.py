@@ -256,7 +256,8 @@ class MegatronModule(L.LightningModule):
             logs["train/grad_norm"] = optimizer.last_grad_norm
         if optimizer.on_nonfinite == "skip":
             logs["train/skipped_update"] = float(optimizer.last_update_skipped)
-        self.log_dict(logs, batch_size=1)
+        # CPU tensors: Lightning would copy a float to the GPU, a wait for the update just queued
+        self.log_dict({k: torch.tensor(v) for k, v in logs.items()}, batch_size=1)
 
 
 def _count_parameters(chunks, trainable_only: bool = False) -> int:

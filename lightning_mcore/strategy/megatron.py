@@ -2,7 +2,8 @@
 
 Per step:  Lightning -> module.training_step(batch) -> strategy.forward_backward(batch, fn)
            -> mcore schedule over the microbatches (forward, backward, finalize_model_grads)
-           -> MegatronOptimizer.step (clip, update, LR schedule).
+           -> gradient norm and clipping, the loss and norm checked (the step's one host read)
+           -> MegatronOptimizer.step (update, LR schedule).
 The batch a rank receives is its data-parallel share of the global batch
 (global_batch_size / dp rows); the strategy cuts it into micro_batch_size pieces.
 
@@ -37,6 +38,7 @@ from lightning_mcore.strategy.expert_gemm import validate_expert_gemm, validate_
 from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
+from lightning_mcore.strategy.nonfinite import host_values
 from lightning_mcore.strategy.optimizer import (
     MegatronOptimizer,
     OptimizerSettings,
@@ -501,7 +503,8 @@ class MegatronStrategy(DDPStrategy):
         """Run mcore's schedule over the batch's microbatches; return reduced metrics.
 
         `forward_step(microbatch, chunk)` returns (output, loss_fn) as mcore expects. Metrics
-        come back as per-token means over the global batch on every rank. `packed`: the
+        come back as per-token means over the global batch on every rank; from a training step
+        as CPU tensors, read back with the update's check (`_checked_step`). `packed`: the
         forward step sends each [micro_batch, seq] microbatch through the model as one THD row
         of micro_batch * seq tokens (model/packing.py), which sets the pipeline's tensor shape.
         """
@@ -541,7 +544,21 @@ class MegatronStrategy(DDPStrategy):
             )
             dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             metrics = reduce_metrics(outputs, dp_group) if self.is_last_pipeline_stage else {}
-        return self._share_from_last_stage(metrics)
+        metrics = self._share_from_last_stage(metrics)
+        return metrics if forward_only else self._checked_step(metrics)
+
+    def _checked_step(self, metrics: dict) -> dict:
+        """Prepare the update (gradients, norm, clipping: queued) and read the norm back with the
+        metrics in one device-to-host copy, the step's one wait for the device; the optimizer then
+        decides on the loss and norm before any weight changes (strategy/nonfinite.py). Returns
+        the metrics as CPU tensors: logging them, even to the progress bar each step, waits for
+        nothing, so the host can queue the next step while the GPU runs the update."""
+        norms = [optimizer.prepare_update() for optimizer in self.optimizers]
+        values = host_values(*metrics.values(), *norms)
+        host = dict(zip(metrics, values))
+        for optimizer, norm in zip(self.optimizers, values[len(metrics):]):
+            optimizer.decide(host.get("loss"), norm)
+        return {k: torch.tensor(v) for k, v in host.items()}
 
     def _share_from_last_stage(self, metrics: dict) -> dict:
         """Give every rank the last pipeline stage's metrics (rank 0 logs and draws the bar)."""
@@ -549,14 +566,14 @@ class MegatronStrategy(DDPStrategy):
 
         if self.parallel.pipeline_model_parallel_size == 1:
             return metrics
-        payload = [{k: float(v) for k, v in metrics.items()}]
+        payload = [{k: float(v) for k, v in metrics.items()}]  # one sync per metric: PP > 1 only
         dist.broadcast_object_list(
             payload,
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
             group=parallel_state.get_pipeline_model_parallel_group(),
             device=self.root_device if not self.on_cpu else None,
         )
-        return {k: torch.tensor(v, device=self.root_device) for k, v in payload[0].items()}
+        return {k: torch.tensor(v) for k, v in payload[0].items()}  # read on the host already
 
     def training_step(self, *args: Any, **kwargs: Any):
         # No autocast context: mcore runs mixed precision itself (bf16 weights, fp32 main

@@ -1,13 +1,12 @@
 """NaN/inf in training: found before it reaches the weights, and never saved.
 
 The loss (reduced, the same on every rank) and the gradient norm (all-reduced by mcore) are
-checked between computing the norm and applying the update (optimizer.py); checkpoints and HF
+checked between computing the norm and applying the update (optimizer.py), read back with the
+step's metrics in the step's one device-to-host copy (megatron.py); checkpoints and HF
 exports check the weights themselves, since they may come from anywhere.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -28,8 +27,12 @@ def step_message(what: str, value: float, step: int, lr: float, skipped: bool) -
             f"such updates.")
 
 
-def is_finite(value) -> bool:
-    return value is not None and math.isfinite(float(value))
+def host_values(*values) -> list:
+    """`values` (tensors of one element, numbers or None) as Python floats (None stays None),
+    the tensors read back in one device-to-host copy: one wait for the device, not one each."""
+    tensors = [v.detach().reshape(()).float() for v in values if torch.is_tensor(v)]
+    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if torch.is_tensor(v) else (None if v is None else float(v)) for v in values]
 
 
 @torch.no_grad()

@@ -12,13 +12,14 @@ which loading the optimizer state would otherwise bring back from the checkpoint
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_mcore.strategy.nonfinite import NonFiniteError, is_finite, step_message
+from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values, step_message
 
 
 @dataclass
@@ -184,8 +185,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.on_nonfinite = on_nonfinite
         self._global_step = global_step  # the trainer's, named in non-finite errors
         self.defaults = {}
+        self.last_loss: Optional[float] = None
         self.last_grad_norm: Optional[float] = None
         self.last_update_skipped = False
+        self._update: Optional[bool] = None  # decided for the step in flight (None: not yet)
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
 
@@ -216,33 +219,54 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def clear_grads(self) -> None:
         self._zero_grad_buffers()
         self.optimizer.zero_grad()
+        self._update = None  # a new step: nothing decided yet
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        with self._compat():
-            ok, grad_norm = self._checked_update(loss)
-        self.last_update_skipped = not ok
-        self.last_grad_norm = None if grad_norm is None else float(grad_norm)
-        if ok:
+        if self._update is None:  # the closure did not check (a training_step of one's own)
+            self.decide(*host_values(loss, self.prepare_update()))
+        applied = self._update
+        self._update = None
+        if applied:
+            with self._compat():
+                applied = self.optimizer.step_with_ready_grads()
+        self.last_update_skipped = not applied
+        if applied:
             self.scheduler.step(increment=1)
         return loss
 
-    def _checked_update(self, loss) -> tuple[bool, object]:
-        """mcore's ChainedOptimizer.step (0.16-0.19: prepare grads, norm, clip by that norm,
-        update), with the loss and the norm checked before anything changes. Every rank holds
-        the same loss and norm, so every rank decides alike. The check waits for the norm (one
-        host sync per step; mcore 0.19 with TE would otherwise keep the norm on the GPU).
-        Returns (updated, grad norm)."""
-        optimizer = self.optimizer
-        if optimizer.prepare_grads():  # fp16 loss scaling found inf: mcore's own skip
-            return False, None
-        grad_norm = optimizer.get_grad_norm()  # a float, or a GPU tensor (mcore 0.19 with TE)
-        if loss is not None and not is_finite(loss):
-            return self._nonfinite("loss", float(loss), grad_norm)
-        if not is_finite(grad_norm):
-            return self._nonfinite("gradient norm", float(grad_norm), grad_norm)
-        self._clip(grad_norm)  # by the norm as mcore has it: a tensor clips on the GPU
-        return optimizer.step_with_ready_grads(), grad_norm
+    # mcore's ChainedOptimizer.step (0.16-0.19: prepare grads, norm, clip by that norm, update),
+    # split where the host must look: the strategy reads the norm back together with the step's
+    # metrics (one sync: the step's only one) and `decide`s before `step` applies the update.
+    def prepare_update(self):
+        """Gradients made ready, their norm, clipping: queued on the device, nothing read back.
+        Clipping is queued before the host waits for the norm, so that after the wait only the
+        update is left to launch; when the check then fails, the clipped gradients are dropped
+        (the next step rebuilds them from mcore's buffers). Returns the norm as mcore gives it (a
+        GPU tensor with TE on mcore 0.19, else a float), or None when fp16 loss scaling found inf."""
+        with self._compat():
+            if self.optimizer.prepare_grads():  # mcore's own skip
+                return None
+            grad_norm = self.optimizer.get_grad_norm()
+            self._clip(grad_norm)
+        return grad_norm
+
+    def decide(self, loss: Optional[float], grad_norm: Optional[float]) -> None:
+        """Whether this step's update applies, from the loss and norm on the host (the same on
+        every rank, so every rank decides alike): a NaN/inf raises NonFiniteError, or, with
+        on_nonfinite="skip", leaves weights, optimizer state and LR schedule as they are.
+        grad_norm None: fp16 loss scaling found inf, mcore's own skip."""
+        self.last_loss, self.last_grad_norm = loss, grad_norm
+        self._update = None
+        checks = [] if grad_norm is None else [("loss", loss), ("gradient norm", grad_norm)]
+        bad = [(what, value) for what, value in checks if value is not None and not math.isfinite(value)]
+        if bad:
+            skip = self.on_nonfinite == "skip"
+            message = step_message(*bad[0], self._global_step(), self.scheduler.max_lr, skip)
+            if not skip:
+                raise NonFiniteError(message)
+            rank_zero_warn(message)
+        self._update = grad_norm is not None and not bad
 
     def _clip(self, grad_norm) -> None:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -255,14 +279,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
                 decoupled = getattr(part.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
                                     False)
                 clip_grad_by_total_norm_fp32(params, part.config.clip_grad, grad_norm, decoupled)
-
-    def _nonfinite(self, what: str, value: float, grad_norm):
-        skip = self.on_nonfinite == "skip"
-        message = step_message(what, value, self._global_step(), self.scheduler.max_lr, skip)
-        if not skip:
-            raise NonFiniteError(message)
-        rank_zero_warn(message)
-        return False, grad_norm
 
     @property
     def lr(self) -> float:
