@@ -284,6 +284,8 @@ def run_raw(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> StepTimer
                      data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
                      model=chunks, num_microbatches=len(micro),
                      seq_length=args.seq, micro_batch_size=args.mbs)  # mcore divides seq by cp itself
+        if args.sync_before_update:  # the host idle until backward ends, as before lightning's check
+            torch.cuda.synchronize()
         opt.step()
         timer.stop()
         if args.losses and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -393,6 +395,9 @@ def main() -> None:
     ap.add_argument("--free-running", action="store_true",
                     help="synchronise only at the timed window's ends (the host runs ahead between steps, "
                          "as without a timer); step_s = window time / steps")
+    ap.add_argument("--sync-before-update", action="store_true",
+                    help="raw only: the host waits for the backward pass before launching the optimizer "
+                         "step (an upper bound on what lightning-mcore's NaN/inf check costs)")
     ap.add_argument("--pin-cpus", action="store_true",
                     help="each rank on its own block of CPUs (threads and data workers included)")
     ap.add_argument("--moe-capacity", type=float, default=None, metavar="F",
@@ -426,6 +431,8 @@ def main() -> None:
         ap.error("--init-device-context applies to --impl raw only (lightning builds inside it already)")
     if args.no_init_device_context and args.impl != "lightning":
         ap.error("--no-init-device-context applies to --impl lightning only")
+    if args.sync_before_update and args.impl != "raw":
+        ap.error("--sync-before-update applies to --impl raw only")
     if args.free_running and args.impl.startswith("hf"):
         ap.error("--free-running applies to --impl raw and lightning")
 
@@ -510,7 +517,7 @@ def main() -> None:
             "device_used_gb": round(timer.device_used / 2**30, 1),
             # one step's time means nothing when free-running (the host runs ahead of the GPU)
             "step_s_spread": None if args.free_running else [round(min(timed), 4), round(max(timed), 4)],
-            "free_running": args.free_running,
+            "free_running": args.free_running, "sync_before_update": args.sync_before_update,
             "ranks": per_rank,  # main-thread CPU ms and GC-pause ms per timed step, per rank
             "wgrad_fusion": None if args.impl.startswith("hf") else not args.no_wgrad_fusion,
             "precision_aware": None if args.impl.startswith("hf") else not args.no_precision_aware,

@@ -251,6 +251,20 @@ CASES = {
                                         f"--warmup 8 {_FUSED} --experts torch --free-running")
         for impl in ("raw", "lightning")
     ],
+    # what the wait before the update costs: raw mcore with the host held until backward ends
+    "moe-ep2-wait": [
+        (2, label, f"--impl {impl} {_MOE2}{flag}")
+        for impl, label, flag in (("raw", "raw-mbs4-fused-torch", ""),
+                                  ("raw", "raw-wait-mbs4-fused-torch", " --sync-before-update"),
+                                  ("lightning", "lightning-mbs4-fused-torch", ""))
+    ],
+    "moe30b-1gpu-wait": [
+        (1, label, f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 --warmup 6 --mbs 4 "
+                   f"{_FUSED} --experts torch{flag}")
+        for impl, label, flag in (("raw", "raw-mbs4-fused-torch", ""),
+                                  ("raw", "raw-wait-mbs4-fused-torch", " --sync-before-update"),
+                                  ("lightning", "lightning-mbs4-fused-torch", ""))
+    ],
     "moe-ep2-pairs": [(2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2}") for impl in ("raw", "lightning")],
     "moe30b-ep2": [  # 8 layers of Qwen3-30B-A3B at EP=2 (64 experts per GPU), micro batch 4
         (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 8 --ep 2 --gbs 8 "
@@ -296,7 +310,9 @@ def summarize(case: str, results: dict) -> None:
              ("raw-devid", "raw"), ("raw-initdev", "raw"), ("lightning-noinitdev", "lightning"),
              ("lightning-noinitdev", "raw"), ("lightning", "raw-initdev"),
              ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"),
-             ("lightning-dp4", "lightning-1gpu"), ("raw-dp4", "lightning-1gpu")]
+             ("lightning-dp4", "lightning-1gpu"), ("raw-dp4", "lightning-1gpu"),
+             ("lightning-mbs4-fused-torch", "raw-wait-mbs4-fused-torch"),
+             ("raw-wait-mbs4-fused-torch", "raw-mbs4-fused-torch")]
     # any "lightning-X" against its "raw-X"
     pairs = list(dict.fromkeys(pairs + [(k.partition("#")[0], "raw-" + k.partition("#")[0][len("lightning-"):])
                                         for k in tok if k.startswith("lightning-")]))
