@@ -177,8 +177,14 @@ class StepTimer:
         else:
             self._prof.__exit__(None, None, None)
             ka = self._prof.key_averages()
+            kernels = [(e.name, e.time_range.start, e.time_range.end) for e in self._prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA]
+            gaps = idle_gaps(kernels)
             text = (ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
-                    + ka.table(sort_by="self_device_time_total", row_limit=40))
+                    + ka.table(sort_by="self_device_time_total", row_limit=40)
+                    + f"\nGPU idle over the 3 steps: {gaps['idle_us'] / 1e3:.1f} of {gaps['span_us'] / 1e3:.1f} ms; "
+                      "largest gaps (µs, kernel before -> kernel after):\n"
+                    + "\n".join(f"  {g['us']:>9} {g['after'][:70]} -> {g['before'][:70]}" for g in gaps["largest"]))
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
@@ -194,6 +200,27 @@ class StepTimer:
                 "gc_max_ms": round(1e3 * max((p for i, p in self.gc_pauses if warmup <= i < len(self.times)),
                                             default=0.0), 1),
                 "full_gc_ms": self.full_gc_ms}
+
+
+def idle_gaps(kernels: list[tuple[str, float, float]], top: int = 8) -> dict:
+    """Where the GPU waits: `kernels` (name, start, end) in µs, from any streams. Busy time is the
+    union of the intervals; each gap between them is named by the kernels on either side (the
+    one that ended last, the one that starts next). Returns span, busy and idle µs and the
+    `top` largest gaps, largest first."""
+    busy, gaps, end, last = 0.0, [], None, None
+    for name, start, stop in sorted(kernels, key=lambda k: k[1]):
+        if end is None or start > end:
+            if end is not None:
+                gaps.append((start - end, last, name))
+            busy += stop - start
+            end, last = stop, name
+        elif stop > end:
+            busy += stop - end
+            end, last = stop, name
+    span = end - min(k[1] for k in kernels) if kernels else 0.0
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy,
+            "largest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in gaps[:top]]}
 
 
 def pin_cpus() -> list[int]:

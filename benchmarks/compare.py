@@ -265,6 +265,13 @@ CASES = {
                                   ("raw", "raw-wait-mbs4-fused-torch", " --sync-before-update"),
                                   ("lightning", "lightning-mbs4-fused-torch", ""))
     ],
+    # torch.profiler over steps 10-12 on both ranks (profiles/<case>_<label>/rank{0,1}.txt): kernel
+    # tables and the GPU's idle gaps, named by the kernels on either side
+    "moe-ep2-profile": [
+        (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-moe-small --ep 2 --mbs 4 --gbs 8 --steps 13 "
+                                        f"--warmup 10 {_FUSED} --experts torch --profile")
+        for impl in ("raw", "lightning")
+    ],
     "moe-ep2-pairs": [(2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2}") for impl in ("raw", "lightning")],
     "moe30b-ep2": [  # 8 layers of Qwen3-30B-A3B at EP=2 (64 experts per GPU), micro batch 4
         (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 8 --ep 2 --gbs 8 "
