@@ -29,7 +29,13 @@ _MOE1 = "--shape qwen3-moe-small --layers 6 --gbs 8 --steps 14 --warmup 6"
 _FUSED = "--set moe_permute_fusion=true --set moe_router_fusion=true"
 # issue 20's EP=2 settings: the moe case's shape and global batch, micro batch 4 (one per rank and
 # step), the fusions and torch's experts (at EP=2 only the expert GEMMs change)
-_MOE2 = f"--shape qwen3-moe-small --ep 2 --mbs 4 --gbs 8 --steps 16 --warmup 6 {_FUSED} --experts torch"
+_MOE2_RUN = f"--shape qwen3-moe-small --ep 2 --mbs 4 --gbs 8 {_FUSED} --experts torch"
+_MOE2 = f"{_MOE2_RUN} --steps 16 --warmup 6"
+# 4 of Qwen3-30B-A3B's layers on one GPU, micro batch 4, the fusions and torch's experts
+_MOE30B = f"--shape qwen3-30b-a3b --layers 4 --gbs 8 --mbs 4 {_FUSED} --experts torch"
+# raw mcore, raw held until backward ends (--sync-before-update), lightning: (impl, label, flag)
+_WAIT_ROWS = (("raw", "raw-mbs4-fused-torch", ""), ("raw", "raw-wait-mbs4-fused-torch", " --sync-before-update"),
+              ("lightning", "lightning-mbs4-fused-torch", ""))
 _GRAPHS = "--cuda-graphs attn,moe_router,moe_preprocess"
 
 # case -> [(gpus, label, bench_pretrain.py arguments)]
@@ -179,8 +185,7 @@ CASES = {
         (1, f"raw-mbs{mbs}-fused{tag}", f"--impl raw --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
                                          f"--warmup 6 --mbs {mbs} {_FUSED}{flag}")
         for mbs, tag, flag in ((2, "", ""), (2, "-torch", " --experts torch"), (4, "-torch", " --experts torch"))
-    ] + [(1, "lightning-mbs4-fused-torch", "--impl lightning --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
-                                           f"--warmup 6 --mbs 4 {_FUSED} --experts torch")],
+    ] + [(1, "lightning-mbs4-fused-torch", f"--impl lightning {_MOE30B} --steps 14 --warmup 6")],
     # CUDA graphs of attention and router (TE's RNG tracker) on top of torch's experts
     "moe-1gpu-torch-graphs": [
         (1, f"{impl}-mbs4-fused-torch-graphs", f"--impl {impl} {_MOE1} --mbs 4 {_FUSED} --experts torch "
@@ -207,16 +212,14 @@ CASES = {
         for tag, flag in (("-copies", " --no-precision-aware"), ("", ""))
     ],
     "moe30b-1gpu-precision-aware": [
-        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
-                                        f"--warmup 6 --mbs 4 {_FUSED} --experts torch")
+        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE30B} --steps 14 --warmup 6")
         for impl in ("raw", "lightning")
     ],
     # lightning's allocator retries at the 30B shape (raw has none at the same peak): where its
     # memory goes, with the model built inside torch.device(cuda) (Lightning's way) and outside;
     # lightning as measured then, its process group bound to the device (before session 10's fix)
     "moe30b-1gpu-memory": [
-        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
-                                             f"--warmup 6 --mbs 4 {_FUSED} --experts torch{flag}")
+        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} {_MOE30B} --steps 14 --warmup 6{flag}")
         for impl, tag, flag in (("raw", "", ""), ("lightning", "", " --nccl-device-id"),
                                 ("lightning", "-noinitdev", " --nccl-device-id --no-init-device-context"))
     ],
@@ -224,21 +227,18 @@ CASES = {
     # DDPStrategy), every mcore group opens its NCCL communicator at once; unbound (the raw loop,
     # and MegatronStrategy since session 10) each opens at its first collective
     "moe30b-1gpu-nccl": [
-        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
-                                             f"--warmup 6 --mbs 4 {_FUSED} --experts torch{flag}")
+        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} {_MOE30B} --steps 14 --warmup 6{flag}")
         for impl, tag, flag in (("raw", "", ""), ("raw", "-devid", " --nccl-device-id"),
                                 ("lightning", "-devid", " --nccl-device-id"), ("lightning", "", ""))
     ],
     "moe30b-1gpu-profile": [  # where lightning's step differs from raw's at the 30B shape (profiles/..._LABEL/)
-        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 13 "
-                                             f"--warmup 10 --mbs 4 {_FUSED} --experts torch {flag}")
+        (1, f"{impl}-mbs4-fused-torch{tag}", f"--impl {impl} {_MOE30B} --steps 13 --warmup 10 {flag}")
         for tag, flag in (("", "--profile"), ("-py", "--pyprofile")) for impl in ("raw", "lightning")
     ],
     # session 11: lightning's step waits for the GPU once (the update's check), and the timer only
     # at the window's ends (--free-running), so the host runs ahead between steps as in a real run
     "moe30b-1gpu-free": [
-        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 "
-                                        f"--warmup 7 --mbs 4 {_FUSED} --experts torch --free-running")
+        (1, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE30B} --steps 14 --warmup 7 --free-running")
         for impl in ("raw", "lightning")
     ],
     "moe-1gpu-free": [
@@ -247,29 +247,17 @@ CASES = {
         for impl in ("raw", "lightning")
     ],
     "moe-ep2-free": [  # _MOE2 with 8 timed steps: the throughput callback's window (8) divides the 16
-        (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-moe-small --ep 2 --mbs 4 --gbs 8 --steps 16 "
-                                        f"--warmup 8 {_FUSED} --experts torch --free-running")
+        (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2_RUN} --steps 16 --warmup 8 --free-running")
         for impl in ("raw", "lightning")
     ],
     # what the wait before the update costs: raw mcore with the host held until backward ends
-    "moe-ep2-wait": [
-        (2, label, f"--impl {impl} {_MOE2}{flag}")
-        for impl, label, flag in (("raw", "raw-mbs4-fused-torch", ""),
-                                  ("raw", "raw-wait-mbs4-fused-torch", " --sync-before-update"),
-                                  ("lightning", "lightning-mbs4-fused-torch", ""))
-    ],
-    "moe30b-1gpu-wait": [
-        (1, label, f"--impl {impl} --shape qwen3-30b-a3b --layers 4 --gbs 8 --steps 14 --warmup 6 --mbs 4 "
-                   f"{_FUSED} --experts torch{flag}")
-        for impl, label, flag in (("raw", "raw-mbs4-fused-torch", ""),
-                                  ("raw", "raw-wait-mbs4-fused-torch", " --sync-before-update"),
-                                  ("lightning", "lightning-mbs4-fused-torch", ""))
-    ],
+    "moe-ep2-wait": [(2, label, f"--impl {impl} {_MOE2}{flag}") for impl, label, flag in _WAIT_ROWS],
+    "moe30b-1gpu-wait": [(1, label, f"--impl {impl} {_MOE30B} --steps 14 --warmup 6{flag}")
+                         for impl, label, flag in _WAIT_ROWS],
     # torch.profiler over steps 10-12 on both ranks (profiles/<case>_<label>/rank{0,1}.txt): kernel
     # tables and the GPU's idle gaps, named by the kernels on either side
     "moe-ep2-profile": [
-        (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} --shape qwen3-moe-small --ep 2 --mbs 4 --gbs 8 --steps 13 "
-                                        f"--warmup 10 {_FUSED} --experts torch --profile")
+        (2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2_RUN} --steps 13 --warmup 10 --profile")
         for impl in ("raw", "lightning")
     ],
     "moe-ep2-pairs": [(2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2}") for impl in ("raw", "lightning")],

@@ -548,17 +548,14 @@ class MegatronStrategy(DDPStrategy):
         return metrics if forward_only else self._checked_step(metrics)
 
     def _checked_step(self, metrics: dict) -> dict:
-        """Prepare the update (gradients, norm, clipping: queued) and read the norm back with the
-        metrics in one device-to-host copy, the step's one wait for the device; the optimizer then
-        decides on the loss and norm before any weight changes (strategy/nonfinite.py). Returns
-        the metrics as CPU tensors: logging them, even to the progress bar each step, waits for
-        nothing, so the host can queue the next step while the GPU runs the update."""
-        norms = [optimizer.prepare_update() for optimizer in self.optimizers]
-        values = host_values(*metrics.values(), *norms)
-        host = dict(zip(metrics, values))
-        for optimizer, norm in zip(self.optimizers, values[len(metrics):]):
-            optimizer.decide(host.get("loss"), norm)
-        return {k: torch.tensor(v) for k, v in host.items()}
+        """The optimizer's check of the loss and gradient norm before the update, which reads the
+        metrics back in the same copy (MegatronOptimizer.check_update). Returns the metrics as CPU
+        tensors: logging them, even to the progress bar each step, waits for nothing, so the host
+        can queue the next step while the GPU runs the update."""
+        values = list(metrics.values())
+        for optimizer in self.optimizers:  # one in practice; a second reads host floats only
+            values = optimizer.check_update(metrics.get("loss"), *values)
+        return {k: torch.tensor(v) for k, v in zip(metrics, host_values(*values))}
 
     def _share_from_last_stage(self, metrics: dict) -> dict:
         """Give every rank the last pipeline stage's metrics (rank 0 logs and draws the bar)."""

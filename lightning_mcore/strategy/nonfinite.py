@@ -1,8 +1,8 @@
 """NaN/inf in training: found before it reaches the weights, and never saved.
 
 The loss (reduced, the same on every rank) and the gradient norm (all-reduced by mcore) are
-checked between computing the norm and applying the update (optimizer.py), read back with the
-step's metrics in the step's one device-to-host copy (megatron.py); checkpoints and HF
+checked between computing the norm and applying the update, read back with the step's metrics
+in the step's one device-to-host copy (optimizer.py, check_update); checkpoints and HF
 exports check the weights themselves, since they may come from anywhere.
 """
 

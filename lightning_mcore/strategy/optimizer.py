@@ -185,7 +185,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.on_nonfinite = on_nonfinite
         self._global_step = global_step  # the trainer's, named in non-finite errors
         self.defaults = {}
-        self.last_loss: Optional[float] = None
         self.last_grad_norm: Optional[float] = None
         self.last_update_skipped = False
         self._update: Optional[bool] = None  # decided for the step in flight (None: not yet)
@@ -224,7 +223,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         if self._update is None:  # the closure did not check (a training_step of one's own)
-            self.decide(*host_values(loss, self.prepare_update()))
+            self.check_update(loss)
         applied = self._update
         self._update = None
         if applied:
@@ -236,9 +235,17 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return loss
 
     # mcore's ChainedOptimizer.step (0.16-0.19: prepare grads, norm, clip by that norm, update),
-    # split where the host must look: the strategy reads the norm back together with the step's
-    # metrics (one sync: the step's only one) and `decide`s before `step` applies the update.
-    def prepare_update(self):
+    # split where the host must look: `check_update` (the strategy calls it at the end of the
+    # step's schedule) reads the norm back, then `step` applies the update or not.
+    def check_update(self, loss, *extra) -> list:
+        """Prepare the update, read the loss and gradient norm back with `extra` (the step's
+        metrics) in one device-to-host copy, the step's one wait for the device, and decide on
+        them before any weight changes. Returns `extra` as host floats."""
+        loss, grad_norm, *extra = host_values(loss, self._prepare_update(), *extra)
+        self._decide(loss, grad_norm)
+        return extra
+
+    def _prepare_update(self):
         """Gradients made ready, their norm, clipping: queued on the device, nothing read back.
         Clipping is queued before the host waits for the norm, so that after the wait only the
         update is left to launch; when the check then fails, the clipped gradients are dropped
@@ -251,12 +258,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self._clip(grad_norm)
         return grad_norm
 
-    def decide(self, loss: Optional[float], grad_norm: Optional[float]) -> None:
+    def _decide(self, loss: Optional[float], grad_norm: Optional[float]) -> None:
         """Whether this step's update applies, from the loss and norm on the host (the same on
         every rank, so every rank decides alike): a NaN/inf raises NonFiniteError, or, with
         on_nonfinite="skip", leaves weights, optimizer state and LR schedule as they are.
         grad_norm None: fp16 loss scaling found inf, mcore's own skip."""
-        self.last_loss, self.last_grad_norm = loss, grad_norm
+        self.last_grad_norm = grad_norm
         self._update = None
         checks = [] if grad_norm is None else [("loss", loss), ("gradient norm", grad_norm)]
         bad = [(what, value) for what, value in checks if value is not None and not math.isfinite(value)]
