@@ -377,7 +377,8 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
                         callbacks=[Timing(), MegatronThroughput(window_size=window)])
     optim = OptimizerSettings(lr=args.lr, min_lr=args.lr / 10, weight_decay=0.01, clip_grad=1.0,
                               warmup_steps=args.lr_warmup, decay_style="cosine" if args.lr_warmup else "constant",
-                              precision_aware=False if args.no_precision_aware else None)
+                              precision_aware=False if args.no_precision_aware else None,
+                              on_nonfinite="stop_after_update" if args.check_after_update else "stop")
     trainer.fit(PretrainModule(cfg, optim), loader)
     timer.callback = logged
     assert strategy.parallel.use_distributed_optimizer and strategy.parallel.overlap_grad_reduce
@@ -425,6 +426,9 @@ def main() -> None:
     ap.add_argument("--sync-before-update", action="store_true",
                     help="raw only: the host waits for the backward pass before launching the optimizer "
                          "step (an upper bound on what lightning-mcore's NaN/inf check costs)")
+    ap.add_argument("--check-after-update", action="store_true",
+                    help="lightning only: on_nonfinite='stop_after_update' (the NaN/inf check reads the "
+                         "loss and gradient norm while the update runs, not before it)")
     ap.add_argument("--pin-cpus", action="store_true",
                     help="each rank on its own block of CPUs (threads and data workers included)")
     ap.add_argument("--moe-capacity", type=float, default=None, metavar="F",
@@ -460,6 +464,8 @@ def main() -> None:
         ap.error("--no-init-device-context applies to --impl lightning only")
     if args.sync_before_update and args.impl != "raw":
         ap.error("--sync-before-update applies to --impl raw only")
+    if args.check_after_update and args.impl != "lightning":
+        ap.error("--check-after-update applies to --impl lightning only")
     if args.free_running and args.impl.startswith("hf"):
         ap.error("--free-running applies to --impl raw and lightning")
 
@@ -545,6 +551,7 @@ def main() -> None:
             # one step's time means nothing when free-running (the host runs ahead of the GPU)
             "step_s_spread": None if args.free_running else [round(min(timed), 4), round(max(timed), 4)],
             "free_running": args.free_running, "sync_before_update": args.sync_before_update,
+            "check_after_update": args.check_after_update,
             "ranks": per_rank,  # main-thread CPU ms and GC-pause ms per timed step, per rank
             "wgrad_fusion": None if args.impl.startswith("hf") else not args.no_wgrad_fusion,
             "precision_aware": None if args.impl.startswith("hf") else not args.no_precision_aware,

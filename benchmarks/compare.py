@@ -36,6 +36,8 @@ _MOE30B = f"--shape qwen3-30b-a3b --layers 4 --gbs 8 --mbs 4 {_FUSED} --experts 
 # raw mcore, raw held until backward ends (--sync-before-update), lightning: (impl, label, flag)
 _WAIT_ROWS = (("raw", "raw-mbs4-fused-torch", ""), ("raw", "raw-wait-mbs4-fused-torch", " --sync-before-update"),
               ("lightning", "lightning-mbs4-fused-torch", ""))
+# and lightning with on_nonfinite="stop_after_update" (its check read while the update runs)
+_LATE_ROWS = (*_WAIT_ROWS, ("lightning", "lightning-late-mbs4-fused-torch", " --check-after-update"))
 _GRAPHS = "--cuda-graphs attn,moe_router,moe_preprocess"
 
 # case -> [(gpus, label, bench_pretrain.py arguments)]
@@ -254,6 +256,10 @@ CASES = {
     "moe-ep2-wait": [(2, label, f"--impl {impl} {_MOE2}{flag}") for impl, label, flag in _WAIT_ROWS],
     "moe30b-1gpu-wait": [(1, label, f"--impl {impl} {_MOE30B} --steps 14 --warmup 6{flag}")
                          for impl, label, flag in _WAIT_ROWS],
+    # session 12: the same with lightning's check read while the update runs
+    "moe30b-1gpu-late": [(1, label, f"--impl {impl} {_MOE30B} --steps 14 --warmup 6{flag}")
+                         for impl, label, flag in _LATE_ROWS],
+    "moe-ep2-late": [(2, label, f"--impl {impl} {_MOE2}{flag}") for impl, label, flag in _LATE_ROWS],
     # torch.profiler over steps 10-12 on both ranks (profiles/<case>_<label>/rank{0,1}.txt): kernel
     # tables and the GPU's idle gaps, named by the kernels on either side
     "moe-ep2-profile": [
@@ -307,7 +313,9 @@ def summarize(case: str, results: dict) -> None:
              ("fp8-delayed", "bf16"), ("fp8-current", "bf16"), ("fp8-delayed-h1024", "bf16"),
              ("lightning-dp4", "lightning-1gpu"), ("raw-dp4", "lightning-1gpu"),
              ("lightning-mbs4-fused-torch", "raw-wait-mbs4-fused-torch"),
-             ("raw-wait-mbs4-fused-torch", "raw-mbs4-fused-torch")]
+             ("raw-wait-mbs4-fused-torch", "raw-mbs4-fused-torch"),
+             ("lightning-late-mbs4-fused-torch", "raw-mbs4-fused-torch"),
+             ("lightning-late-mbs4-fused-torch", "lightning-mbs4-fused-torch")]
     # any "lightning-X" against its "raw-X"
     pairs = list(dict.fromkeys(pairs + [(k.partition("#")[0], "raw-" + k.partition("#")[0][len("lightning-"):])
                                         for k in tok if k.startswith("lightning-")]))

@@ -21,7 +21,8 @@ from toy import TokenRows, sharded_weights, tiny_config
 class Poisoned(PretrainModule):
     """`poison`: {global_step: (what, rank)}: at that step, on that rank (None: all), either the
     gradients flowing back from the token losses become NaN (what="grad"; the loss stays
-    finite) or the loss itself does (what="loss")."""
+    finite), the loss itself does (what="loss"), or only the loss's value does, its gradients
+    staying finite (what="value")."""
 
     def __init__(self, *args, poison=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -37,13 +38,19 @@ class Poisoned(PretrainModule):
             token_losses.register_hook(lambda grad: grad * math.nan)
         if self._poisoned("loss"):
             token_losses = token_losses * math.nan
+        if self._poisoned("value"):  # d/dx of x + (nan - x).detach() is 1
+            token_losses = token_losses + (torch.full_like(token_losses, math.nan) - token_losses).detach()
         return token_losses, loss_fn
 
     def optimizer_step(self, *args, **kwargs):
         try:
             super().optimizer_step(*args, **kwargs)
-        except NonFiniteError:  # what the weights are once the error is raised
+        except NonFiniteError:  # what the weights are once the error is raised, and a save then
             torch.save(sharded_weights(self), self.dump(f"raised{self.trainer.global_rank}"))
+            try:
+                self.trainer.strategy.refuse_nonfinite_weights("a save after the error")
+            except NonFiniteError as refused:
+                (Path(self.trainer.default_root_dir) / f"refused{self.trainer.global_rank}.txt").write_text(str(refused))
             raise
 
     def dump(self, name: str) -> Path:
@@ -128,6 +135,29 @@ def test_diverging_run_stops_and_saves_nothing_after(tmp_path):
     step = int(found.group(3))
     assert 1 < step <= 8
     assert checkpoints(tmp_path) == sorted([f"epoch=0-step={k}.ckpt" for k in range(1, step)] + ["last.ckpt"])
+
+
+@pytest.mark.distributed
+def test_stop_after_update_applies_the_step_then_stops_and_refuses_its_weights(tmp_path):
+    """on_nonfinite="stop_after_update" reads the loss and norm while the update runs: its good
+    steps give the weights of the default check's, step 3 (a NaN loss whose gradients are
+    finite) is applied and stops training naming it, and a save of the weights it left (finite,
+    but from a rejected step) is refused."""
+    checked, late = tmp_path / "checked", tmp_path / "late"
+    for root in (checked, late):
+        root.mkdir()
+    train(checked, steps=4, callbacks=[DumpEachStep()])  # the same LR schedule (max_steps)
+    with pytest.raises(Exception) as info:
+        train(late, steps=4, optim=OptimizerSettings(lr=1e-3, on_nonfinite="stop_after_update"),
+              poison={2: ("value", None)}, callbacks=[DumpEachStep()])
+    assert "non-finite loss (nan) at step 3 (trainer.global_step 2): the update was applied" in str(info.value)
+    assert checkpoints(late) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"]
+    weights = {(root, k): torch.load(root / f"step{k}-rank0.pt")["weights"] for root in (checked, late) for k in (1, 2)}
+    assert all(equal(weights[late, k], weights[checked, k]) for k in (1, 2))
+    raised = torch.load(late / "raised0.pt")
+    assert finite(raised) and not equal(raised, weights[late, 2])
+    assert "a step's NaN/inf update reached the weights" in (late / "refused0.txt").read_text()
+    assert not (checked / "refused0.txt").exists()
 
 
 class PoisonWeightsThenExport(L.Callback):

@@ -628,9 +628,15 @@ class MegatronStrategy(DDPStrategy):
                 self._async_saves.schedule_async_request(request)
 
     def refuse_nonfinite_weights(self, what: str) -> None:
-        """Raise NonFiniteError rather than write `what` from NaN/inf weights (collective)."""
-        from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights
+        """Raise NonFiniteError rather than write `what` from NaN/inf weights, or from weights a
+        NaN/inf update reached (on_nonfinite="stop_after_update"; every rank knows alike), which
+        may still look finite (collective)."""
+        from lightning_mcore.strategy.nonfinite import NonFiniteError, refuse_nonfinite_weights
 
+        if any(getattr(o, "applied_nonfinite", False) for o in self.optimizers):
+            raise NonFiniteError(f"refusing to write {what}: a step's NaN/inf update reached the "
+                                 f"weights (on_nonfinite='stop_after_update'). Resume from the last "
+                                 f"checkpoint.")
         refuse_nonfinite_weights(self.lightning_module.chunks, self.root_device, what)
 
     def finalize_async_saves(self, blocking: bool = False) -> None:

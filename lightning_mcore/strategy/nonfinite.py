@@ -1,12 +1,17 @@
-"""NaN/inf in training: found before it reaches the weights, and never saved.
+"""NaN/inf in training: found before it reaches the weights (or, by choice, as it does), and
+never saved.
 
 The loss (reduced, the same on every rank) and the gradient norm (all-reduced by mcore) are
 checked between computing the norm and applying the update, read back with the step's metrics
-in the step's one device-to-host copy (optimizer.py, check_update); checkpoints and HF
-exports check the weights themselves, since they may come from anywhere.
+in the step's one device-to-host copy (optimizer.py, check_update); with
+on_nonfinite="stop_after_update" they are read while the update runs, and the weights it wrote
+are refused. Checkpoints and HF exports check the weights themselves, since they may come from
+anywhere.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,23 +21,48 @@ class NonFiniteError(RuntimeError):
     """A loss or gradient norm is NaN/inf, or weights about to be written hold NaN/inf."""
 
 
-def step_message(what: str, value: float, step: int, lr: float, skipped: bool) -> str:
-    """`step`: the trainer's global_step while the step runs (optimizer steps done before it)."""
+def step_message(what: str, value: float, step: int, lr: float, skipped: bool, applied: bool = False) -> str:
+    """`step`: the trainer's global_step while the step runs (optimizer steps done before it).
+    `applied`: the update was already queued when the value was read (stop_after_update)."""
     head = f"non-finite {what} ({value}) at step {step + 1} (trainer.global_step {step})"
     if skipped:
         return f"{head}: skipped the update (weights, optimizer state and LR schedule unchanged)."
-    return (f"{head}: the update was not applied and training stops. Lower the learning rate "
-            f"(lr={lr:g}), keep clip_grad > 0, check this step's data, or set "
-            f"on_nonfinite='skip' in the optimizer settings (the module's `optim`) to skip "
-            f"such updates.")
+    advice = (f"Lower the learning rate (lr={lr:g}), keep clip_grad > 0, check this step's data, or "
+              f"set on_nonfinite='skip' in the optimizer settings (the module's `optim`) to skip "
+              f"such updates.")
+    if applied:
+        return (f"{head}: the update was applied (on_nonfinite='stop_after_update' checks while it "
+                f"runs) and training stops; these weights will not be saved or exported, so resume "
+                f"from the last checkpoint. {advice}")
+    return f"{head}: the update was not applied and training stops. {advice}"
 
 
 def host_values(*values) -> list:
     """`values` (tensors of one element, numbers or None) as Python floats (None stays None),
     the tensors read back in one device-to-host copy: one wait for the device, not one each."""
+    return host_values_later(*values)()
+
+
+def host_values_later(*values) -> Callable[[], list]:
+    """host_values in two halves: the copy is queued now, and the returned function waits for
+    it and gives the floats. Work queued in between (the update) runs on the device while the
+    host waits, rather than after it."""
     tensors = [v.detach().reshape(()).float() for v in values if torch.is_tensor(v)]
-    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
-    return [next(read) if torch.is_tensor(v) else (None if v is None else float(v)) for v in values]
+    host = torch.stack([t.to(tensors[0].device) for t in tensors]) if tensors else torch.zeros(0)
+    copied = None
+    if host.is_cuda:
+        host, device = torch.empty(host.shape, pin_memory=True), host
+        host.copy_(device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+    def read() -> list:
+        if copied is not None:
+            copied.synchronize()
+        floats = iter(host.tolist())
+        return [next(floats) if torch.is_tensor(v) else (None if v is None else float(v)) for v in values]
+
+    return read
 
 
 @torch.no_grad()

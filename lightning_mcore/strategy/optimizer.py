@@ -19,7 +19,7 @@ from typing import Callable, Literal, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values, step_message
+from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values_later, step_message
 
 
 @dataclass
@@ -38,8 +38,12 @@ class OptimizerSettings:
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     optimizer: Literal["adam", "sgd"] = "adam"
     # A step whose loss or gradient norm is NaN/inf never updates the weights; "stop" then
-    # raises NonFiniteError naming the step, "skip" goes on with the next batch.
-    on_nonfinite: Literal["stop", "skip"] = "stop"
+    # raises NonFiniteError naming the step, "skip" goes on with the next batch. Both wait for
+    # the device before each update, which keeps the GPU idle while the host launches it (7% of
+    # a step at Qwen3-30B-A3B's shape, benchmarks/RESULTS.md). "stop_after_update" checks the
+    # same values while the update runs: the step's bad update is applied, training stops, and
+    # this process then refuses to save or export those weights.
+    on_nonfinite: Literal["stop", "skip", "stop_after_update"] = "stop"
     # Adam's state (and its update) in CPU memory: mcore's HybridDeviceOptimizer, inside the
     # distributed optimizer (GPU; strategy/memory.py checks the layout). offload_fraction: the
     # share of the state offloaded, the rest stays on the GPU.
@@ -56,8 +60,9 @@ class OptimizerSettings:
             raise ValueError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}) and lr > 0.")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
-        if self.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}.")
+        if self.on_nonfinite not in ("stop", "skip", "stop_after_update"):
+            raise ValueError(f"on_nonfinite must be 'stop', 'skip' or 'stop_after_update', got "
+                             f"{self.on_nonfinite!r}.")
         if not 0 < self.offload_fraction <= 1:
             raise ValueError(f"offload_fraction={self.offload_fraction} must be in (0, 1]: the share "
                              f"of the optimizer state that cpu_offload moves to CPU memory.")
@@ -187,7 +192,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.defaults = {}
         self.last_grad_norm: Optional[float] = None
         self.last_update_skipped = False
-        self._update: Optional[bool] = None  # decided for the step in flight (None: not yet)
+        # True once a NaN/inf update was applied (stop_after_update): the weights are not saved
+        self.applied_nonfinite = False
+        # the step in flight: None (not decided yet), "apply", "skip", or "applied" (already)
+        self._update: Optional[str] = None
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
 
@@ -224,11 +232,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         if self._update is None:  # the closure did not check (a training_step of one's own)
             self.check_update(loss)
-        applied = self._update
+        applied = self._update == "applied" or (self._update == "apply" and self._apply())
         self._update = None
-        if applied:
-            with self._compat():
-                applied = self.optimizer.step_with_ready_grads()
         self.last_update_skipped = not applied
         if applied:
             self.scheduler.step(increment=1)
@@ -240,10 +245,20 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def check_update(self, loss, *extra) -> list:
         """Prepare the update, read the loss and gradient norm back with `extra` (the step's
         metrics) in one device-to-host copy, the step's one wait for the device, and decide on
-        them before any weight changes. Returns `extra` as host floats."""
-        loss, grad_norm, *extra = host_values(loss, self._prepare_update(), *extra)
-        self._decide(loss, grad_norm)
+        them: before any weight changes, or with on_nonfinite="stop_after_update" once the
+        update is queued (applied here, so the device runs it while the host waits). Returns
+        `extra` as host floats."""
+        grad_norm = self._prepare_update()
+        read = host_values_later(loss, grad_norm, *extra)
+        late = self.on_nonfinite == "stop_after_update" and grad_norm is not None
+        applied = self._apply() if late else None
+        loss, grad_norm, *extra = read()
+        self._decide(loss, grad_norm, applied)
         return extra
+
+    def _apply(self) -> bool:
+        with self._compat():
+            return self.optimizer.step_with_ready_grads()
 
     def _prepare_update(self):
         """Gradients made ready, their norm, clipping: queued on the device, nothing read back.
@@ -258,22 +273,27 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self._clip(grad_norm)
         return grad_norm
 
-    def _decide(self, loss: Optional[float], grad_norm: Optional[float]) -> None:
+    def _decide(self, loss: Optional[float], grad_norm: Optional[float], applied: Optional[bool]) -> None:
         """Whether this step's update applies, from the loss and norm on the host (the same on
         every rank, so every rank decides alike): a NaN/inf raises NonFiniteError, or, with
         on_nonfinite="skip", leaves weights, optimizer state and LR schedule as they are.
-        grad_norm None: fp16 loss scaling found inf, mcore's own skip."""
+        grad_norm None: fp16 loss scaling found inf, mcore's own skip. `applied`: None before
+        the update, else whether it already ran (stop_after_update): then a NaN/inf is reported."""
         self.last_grad_norm = grad_norm
         self._update = None
         checks = [] if grad_norm is None else [("loss", loss), ("gradient norm", grad_norm)]
         bad = [(what, value) for what, value in checks if value is not None and not math.isfinite(value)]
         if bad:
+            self.applied_nonfinite = bool(applied)
             skip = self.on_nonfinite == "skip"
-            message = step_message(*bad[0], self._global_step(), self.scheduler.max_lr, skip)
+            message = step_message(*bad[0], self._global_step(), self.scheduler.max_lr, skip, bool(applied))
             if not skip:
                 raise NonFiniteError(message)
             rank_zero_warn(message)
-        self._update = grad_norm is not None and not bad
+        if bad or grad_norm is None or applied is False:
+            self._update = "skip"
+        else:
+            self._update = "applied" if applied else "apply"
 
     def _clip(self, grad_norm) -> None:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
