@@ -2,8 +2,10 @@
 
 Lightning's automatic optimization calls `optimizer.step(closure)`; the closure runs the
 training step, in which mcore's pipeline schedule has already done forward, backward and
-finalize_model_grads (data-parallel reduction, per-token scaling). `step` then checks the loss
-and gradient norm, clips, updates and advances the LR schedule by one optimizer step.
+finalize_model_grads (data-parallel reduction, per-token scaling), and the strategy has checked
+the loss and gradient norm (`check_update`, which clips and, with on_nonfinite=
+"stop_after_update", also updates). `step` then updates (unless done or skipped) and advances
+the LR schedule by one optimizer step.
 
 On resume the run's settings win over the checkpoint's (Megatron's
 --override-opt_param-scheduler): LR schedule, and the param groups' lr bounds, betas and eps,
@@ -39,10 +41,11 @@ class OptimizerSettings:
     optimizer: Literal["adam", "sgd"] = "adam"
     # A step whose loss or gradient norm is NaN/inf never updates the weights; "stop" then
     # raises NonFiniteError naming the step, "skip" goes on with the next batch. Both wait for
-    # the device before each update, which keeps the GPU idle while the host launches it (7% of
-    # a step at Qwen3-30B-A3B's shape, benchmarks/RESULTS.md). "stop_after_update" checks the
+    # the device before each update, which keeps the GPU idle while the host launches it (4-7%
+    # of a step at Qwen3-30B-A3B's shape, benchmarks/RESULTS.md). "stop_after_update" checks the
     # same values while the update runs: the step's bad update is applied, training stops, and
-    # this process then refuses to save or export those weights.
+    # this process then refuses to save or export those weights. (on_before_optimizer_step
+    # hooks then run after the update.)
     on_nonfinite: Literal["stop", "skip", "stop_after_update"] = "stop"
     # Adam's state (and its update) in CPU memory: mcore's HybridDeviceOptimizer, inside the
     # distributed optimizer (GPU; strategy/memory.py checks the layout). offload_fraction: the
