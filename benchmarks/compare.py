@@ -260,6 +260,10 @@ CASES = {
     "moe30b-1gpu-late": [(1, label, f"--impl {impl} {_MOE30B} --steps 14 --warmup 6{flag}")
                          for impl, label, flag in _LATE_ROWS],
     "moe-ep2-late": [(2, label, f"--impl {impl} {_MOE2}{flag}") for impl, label, flag in _LATE_ROWS],
+    # torch.profiler over steps 10-12 (profiles/<case>_<label>/rank0.txt): the GPU's idle gaps of
+    # raw, lightning and lightning with stop_after_update
+    "moe30b-1gpu-late-profile": [(1, label, f"--impl {impl} {_MOE30B} --steps 13 --warmup 10 --profile{flag}")
+                                 for impl, label, flag in _LATE_ROWS if "wait" not in label],
     # torch.profiler over steps 10-12 on both ranks (profiles/<case>_<label>/rank{0,1}.txt): kernel
     # tables and the GPU's idle gaps, named by the kernels on either side
     "moe-ep2-profile": [
