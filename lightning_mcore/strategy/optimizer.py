@@ -287,7 +287,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         checks = [] if grad_norm is None else [("loss", loss), ("gradient norm", grad_norm)]
         bad = [(what, value) for what, value in checks if value is not None and not math.isfinite(value)]
         if bad:
-            self.applied_nonfinite = bool(applied)
+            self.applied_nonfinite = self.applied_nonfinite or bool(applied)
             skip = self.on_nonfinite == "skip"
             message = step_message(*bad[0], self._global_step(), self.scheduler.max_lr, skip, bool(applied))
             if not skip:
