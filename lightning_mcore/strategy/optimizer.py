@@ -250,9 +250,15 @@ class MegatronOptimizer(torch.optim.Optimizer):
         metrics) in one device-to-host copy, the step's one wait for the device, and decide on
         them: before any weight changes, or with on_nonfinite="stop_after_update" once the
         update is queued (applied here, so the device runs it while the host waits). Returns
-        `extra` as host floats."""
-        grad_norm = self._prepare_update()
+        `extra` as host floats.
+
+        The copy is queued before clipping, so the device clips while the host, released by
+        the copy, goes on to launch the update. When the check then fails, the clipped
+        gradients are dropped (the next step rebuilds them from mcore's buffers)."""
+        grad_norm = self._grad_norm()
         read = host_values_later(loss, grad_norm, *extra)
+        if grad_norm is not None:
+            self._clip(grad_norm)
         late = self.on_nonfinite == "stop_after_update" and grad_norm is not None
         applied = self._apply() if late else None
         loss, grad_norm, *extra = read()
@@ -263,18 +269,14 @@ class MegatronOptimizer(torch.optim.Optimizer):
         with self._compat():
             return self.optimizer.step_with_ready_grads()
 
-    def _prepare_update(self):
-        """Gradients made ready, their norm, clipping: queued on the device, nothing read back.
-        Clipping is queued before the host waits for the norm, so that after the wait only the
-        update is left to launch; when the check then fails, the clipped gradients are dropped
-        (the next step rebuilds them from mcore's buffers). Returns the norm as mcore gives it (a
-        GPU tensor with TE on mcore 0.19, else a float), or None when fp16 loss scaling found inf."""
+    def _grad_norm(self):
+        """Gradients made ready and their norm, queued on the device, nothing read back: the
+        norm as mcore gives it (a GPU tensor with TE on mcore 0.19, else a float), or None when
+        fp16 loss scaling found inf (mcore's own skip)."""
         with self._compat():
-            if self.optimizer.prepare_grads():  # mcore's own skip
+            if self.optimizer.prepare_grads():
                 return None
-            grad_norm = self.optimizer.get_grad_norm()
-            self._clip(grad_norm)
-        return grad_norm
+            return self.optimizer.get_grad_norm()
 
     def _decide(self, loss: Optional[float], grad_norm: Optional[float], applied: Optional[bool]) -> None:
         """Whether this step's update applies, from the loss and norm on the host (the same on
@@ -301,14 +303,15 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def _clip(self, grad_norm) -> None:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        for part in self.parts:
-            if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0:
-                continue
-            params = part.get_parameters()
-            if params:
-                decoupled = getattr(part.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
-                                    False)
-                clip_grad_by_total_norm_fp32(params, part.config.clip_grad, grad_norm, decoupled)
+        with self._compat():
+            for part in self.parts:
+                if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0:
+                    continue
+                params = part.get_parameters()
+                if params:
+                    decoupled = getattr(part.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                                        False)
+                    clip_grad_by_total_norm_fp32(params, part.config.clip_grad, grad_norm, decoupled)
 
     @property
     def lr(self) -> float:
