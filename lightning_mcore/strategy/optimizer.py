@@ -244,7 +244,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     # mcore's ChainedOptimizer.step (0.16-0.19: prepare grads, norm, clip by that norm, update),
     # split where the host must look: `check_update` (the strategy calls it at the end of the
-    # step's schedule) reads the norm back, then `step` applies the update or not.
+    # step's schedule) reads the norm back, then `step` applies the update or not (with
+    # stop_after_update `check_update` has applied it already).
     def check_update(self, loss, *extra) -> list:
         """Prepare the update, read the loss and gradient norm back with `extra` (the step's
         metrics) in one device-to-host copy, the step's one wait for the device, and decide on
