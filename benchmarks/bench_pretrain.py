@@ -378,11 +378,9 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
     optim = OptimizerSettings(lr=args.lr, min_lr=args.lr / 10, weight_decay=0.01, clip_grad=1.0,
                               warmup_steps=args.lr_warmup, decay_style="cosine" if args.lr_warmup else "constant",
                               precision_aware=False if args.no_precision_aware else None,
-                              on_nonfinite="stop_after_update" if args.check_after_update else "stop",
-                              update_graph=not args.no_update_graph)
+                              on_nonfinite="stop_after_update" if args.check_after_update else "stop")
     trainer.fit(PretrainModule(cfg, optim), loader)
     timer.callback = logged
-    timer.graph_updates = trainer.optimizers[0].graph_updates
     assert strategy.parallel.use_distributed_optimizer and strategy.parallel.overlap_grad_reduce
     assert {part.config.use_precision_aware_optimizer for part in trainer.optimizers[0].parts} == {
         not args.no_precision_aware}
@@ -431,9 +429,6 @@ def main() -> None:
     ap.add_argument("--check-after-update", action="store_true",
                     help="lightning only: on_nonfinite='stop_after_update' (the NaN/inf check reads the "
                          "loss and gradient norm while the update runs, not before it)")
-    ap.add_argument("--no-update-graph", action="store_true",
-                    help="lightning only: update_graph=False (the update launched after the NaN/inf "
-                         "check, not recorded as a CUDA graph before it)")
     ap.add_argument("--pin-cpus", action="store_true",
                     help="each rank on its own block of CPUs (threads and data workers included)")
     ap.add_argument("--moe-capacity", type=float, default=None, metavar="F",
@@ -469,8 +464,6 @@ def main() -> None:
         ap.error("--no-init-device-context applies to --impl lightning only")
     if args.sync_before_update and args.impl != "raw":
         ap.error("--sync-before-update applies to --impl raw only")
-    if args.no_update_graph and args.impl != "lightning":
-        ap.error("--no-update-graph applies to --impl lightning only")
     if args.check_after_update and args.impl != "lightning":
         ap.error("--check-after-update applies to --impl lightning only")
     if args.free_running and args.impl.startswith("hf"):
@@ -559,8 +552,6 @@ def main() -> None:
             "step_s_spread": None if args.free_running else [round(min(timed), 4), round(max(timed), 4)],
             "free_running": args.free_running, "sync_before_update": args.sync_before_update,
             "check_after_update": args.check_after_update,
-            # lightning: updates launched as a recorded CUDA graph (update_graph), of all steps run
-            "graph_updates": getattr(timer, "graph_updates", None),
             "ranks": per_rank,  # main-thread CPU ms and GC-pause ms per timed step, per rank
             "wgrad_fusion": None if args.impl.startswith("hf") else not args.no_wgrad_fusion,
             "precision_aware": None if args.impl.startswith("hf") else not args.no_precision_aware,

@@ -38,9 +38,6 @@ _WAIT_ROWS = (("raw", "raw-mbs4-fused-torch", ""), ("raw", "raw-wait-mbs4-fused-
               ("lightning", "lightning-mbs4-fused-torch", ""))
 # and lightning with on_nonfinite="stop_after_update" (its check read while the update runs)
 _LATE_ROWS = (*_WAIT_ROWS, ("lightning", "lightning-late-mbs4-fused-torch", " --check-after-update"))
-# session 13: lightning's update recorded as a CUDA graph before the check (the default) and not
-_GRAPH_ROWS = (("raw", "raw-mbs4-fused-torch", ""), ("lightning", "lightning-graph-mbs4-fused-torch", ""),
-               ("lightning", "lightning-eager-mbs4-fused-torch", " --no-update-graph"))
 _GRAPHS = "--cuda-graphs attn,moe_router,moe_preprocess"
 
 # case -> [(gpus, label, bench_pretrain.py arguments)]
@@ -263,12 +260,6 @@ CASES = {
     "moe30b-1gpu-late": [(1, label, f"--impl {impl} {_MOE30B} --steps 14 --warmup 6{flag}")
                          for impl, label, flag in _LATE_ROWS],
     "moe-ep2-late": [(2, label, f"--impl {impl} {_MOE2}{flag}") for impl, label, flag in _LATE_ROWS],
-    # session 13: the same with lightning's update recorded before the check (update_graph)
-    "moe30b-1gpu-graph": [(1, label, f"--impl {impl} {_MOE30B} --steps 14 --warmup 6{flag}")
-                          for impl, label, flag in _GRAPH_ROWS],
-    "moe-ep2-graph": [(2, label, f"--impl {impl} {_MOE2}{flag}") for impl, label, flag in _GRAPH_ROWS],
-    "moe30b-1gpu-graph-profile": [(1, label, f"--impl {impl} {_MOE30B} --steps 13 --warmup 10 --profile{flag}")
-                                  for impl, label, flag in _GRAPH_ROWS],
     # torch.profiler over steps 10-12 (profiles/<case>_<label>/rank0.txt): the GPU's idle gaps of
     # raw, lightning and lightning with stop_after_update
     "moe30b-1gpu-late-profile": [(1, label, f"--impl {impl} {_MOE30B} --steps 13 --warmup 10 --profile{flag}")

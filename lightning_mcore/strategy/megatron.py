@@ -463,8 +463,7 @@ class MegatronStrategy(DDPStrategy):
                 chunk.zero_grad_buffer()
 
         return MegatronOptimizer(opt, scheduler, zero_grad_buffers, self.mcore_context,
-                                 settings.on_nonfinite, lambda: self.lightning_module.trainer.global_step,
-                                 update_graph=settings.update_graph and not self.on_cpu)
+                                 settings.on_nonfinite, lambda: self.lightning_module.trainer.global_step)
 
     # ---------------------------------------------------------------- steps
     def check_training_rows(self, rows: int) -> None:

@@ -22,7 +22,6 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values_later, step_message
-from lightning_mcore.strategy.update_graph import CapturedUpdate, capture_update, update_obstacle
 
 
 @dataclass
@@ -48,12 +47,6 @@ class OptimizerSettings:
     # this process then refuses to save or export those weights. (on_before_optimizer_step
     # hooks then run after the update.)
     on_nonfinite: Literal["stop", "skip", "stop_after_update"] = "stop"
-    # On GPU the update is recorded as a CUDA graph while the GPU still computes gradients and
-    # launched in one go after the check (strategy/update_graph.py): the same weights, bit for
-    # bit, without the GPU idling while the host launches the update. Where it cannot be
-    # recorded (other optimizers, the first step, parameters all-gathered across ranks inside
-    # the update) the update is launched after the check. False: always the latter.
-    update_graph: bool = True
     # Adam's state (and its update) in CPU memory: mcore's HybridDeviceOptimizer, inside the
     # distributed optimizer (GPU; strategy/memory.py checks the layout). offload_fraction: the
     # share of the state offloaded, the rest stays on the GPU.
@@ -191,8 +184,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
     """Lightning-facing wrapper of an mcore optimizer plus its LR schedule."""
 
     def __init__(self, optimizer, scheduler, zero_grad_buffers: Callable[[], None], compat,
-                 on_nonfinite: str = "stop", global_step: Callable[[], int] = lambda: 0,
-                 update_graph: bool = False) -> None:
+                 on_nonfinite: str = "stop", global_step: Callable[[], int] = lambda: 0) -> None:
         # torch.optim.Optimizer.__init__ is skipped on purpose: the parameters live in mcore.
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -207,13 +199,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.applied_nonfinite = False
         # the step in flight: None (not decided yet), "apply", "skip", or "applied" (already)
         self._update: Optional[str] = None
-        # the update recorded before the check (update_graph.py) until it is launched or dropped;
-        # a launched one is kept until the next step's wait, which the launch precedes
-        self._update_graph = update_graph
-        self._pending: Optional[CapturedUpdate] = None
-        self._launched: Optional[CapturedUpdate] = None
-        self._capture_stream = None
-        self.graph_updates = 0  # updates launched as a recorded graph
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
 
@@ -245,7 +230,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._zero_grad_buffers()
         self.optimizer.zero_grad()
         self._update = None  # a new step: nothing decided yet
-        self._drop_captured()
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None
@@ -278,44 +262,13 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self._clip(grad_norm)
         late = self.on_nonfinite == "stop_after_update" and grad_norm is not None
         applied = self._apply() if late else None
-        if not late and grad_norm is not None:
-            self._capture()
         loss, grad_norm, *extra = read()
-        self._launched = None  # the device has passed the last step's update
-        try:
-            self._decide(loss, grad_norm, applied)
-        finally:
-            if self._update != "apply":
-                self._drop_captured()
+        self._decide(loss, grad_norm, applied)
         return extra
 
     def _apply(self) -> bool:
-        """The update: the recorded one when there is one and the step's settings are those it
-        recorded, else launched now."""
-        captured, self._pending = self._pending, None
-        if captured is not None and not captured.settings_changed():
-            captured.launch()
-            self._launched = captured
-            self.graph_updates += 1
-            return True
-        if captured is not None:
-            captured.drop()
         with self._compat():
             return self.optimizer.step_with_ready_grads()
-
-    def _capture(self) -> None:
-        """Record the update (update_graph.py) where it can be recorded."""
-        if not self._update_graph or update_obstacle(self.parts) is not None:
-            return
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream()
-        self._pending = capture_update(self.optimizer.step_with_ready_grads, self.parts, self._capture_stream)
-
-    def _drop_captured(self) -> None:
-        """A recorded update that will not run: the host state it advanced goes back."""
-        if self._pending is not None:
-            self._pending.drop()
-            self._pending = None
 
     def _grad_norm(self):
         """Gradients made ready and their norm, queued on the device, nothing read back: the
