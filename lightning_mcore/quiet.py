@@ -45,6 +45,11 @@ HARMLESS = (
     Harmless(r"It is recommended to use `self\.log\('val/[^']*', \.\.\., sync_dist=True\)`",
              PossibleUserWarning, r"lightning\.pytorch\.trainer\.connectors\.logger_connector",
              "the strategy reduces val/ metrics over data-parallel ranks before they are logged"),
+    Harmless(r"The '\w+' does not have many workers which may be a bottleneck", PossibleUserWarning,
+             r"lightning\.pytorch\.trainer\.connectors\.data_connector",
+             "our data modules hold tokenized rows in memory (or memory-mapped), which the main "
+             "process batches without help; Lightning says this on any machine with 3 or more CPUs "
+             "per device. A data module's num_workers still starts workers"),
     Harmless(r"Total length of `list` across ranks is zero", UserWarning,
              r"lightning\.pytorch\.utilities\.data",
              "our data modules' val_dataloader returns [] for no validation split (val_split: 0)"),

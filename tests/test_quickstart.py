@@ -98,3 +98,32 @@ def test_other_warnings_still_show(tmp_path):
     assert "UserWarning: a real problem" in proc.stderr
     assert "user_code.py:1: UserWarning: Apex is not installed" in proc.stderr
     assert "backends.py" not in proc.stderr  # megatron's own: silenced
+
+
+def test_lightning_advice_on_workers_is_silenced(monkeypatch):
+    """Where a device has 3 or more CPUs (a user's machine, not CI's 2 cores) Lightning advises
+    DataLoader workers for a loader with fewer than 2. It does on this machine when made to see 16
+    CPUs for 2 devices, and quiet.py silences exactly that message from that module."""
+    import types
+    import warnings
+
+    from lightning.pytorch.trainer.connectors import data_connector
+    from torch.utils.data import DataLoader
+
+    from lightning_mcore import quiet
+
+    monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda devices: 16 // devices - 1)
+    trainer, loader = types.SimpleNamespace(num_devices=2), DataLoader(list(range(4)))
+
+    def advice(silenced: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()
+            warnings.simplefilter("always")
+            if silenced:
+                quiet.install()
+            data_connector._worker_check(trainer, loader, "train_dataloader")
+        return [str(w.message) for w in caught]
+
+    (said,) = advice(silenced=False)
+    assert said.startswith("The 'train_dataloader' does not have many workers") and "num_workers=7" in said
+    assert advice(silenced=True) == []
