@@ -160,6 +160,21 @@ def test_stop_after_update_applies_the_step_then_stops_and_refuses_its_weights(t
     assert not (checked / "refused0.txt").exists()
 
 
+@pytest.mark.distributed
+def test_stop_after_update_stops_every_rank_and_each_refuses_its_weights(tmp_path):
+    """Two data-parallel ranks, NaN gradients on rank 1 only at step 3, on_nonfinite=
+    "stop_after_update": the update (its parameter all-gather included) runs on both ranks
+    before they read the reduced norm; both stop naming step 3 as applied, the checkpoints of
+    steps 1 and 2 are the last ones written, and each rank refuses a save afterwards."""
+    with pytest.raises(Exception) as info:
+        train(tmp_path, devices=2, optim=OptimizerSettings(lr=1e-3, on_nonfinite="stop_after_update"),
+              poison={2: ("grad", 1)})
+    assert "non-finite gradient norm (nan) at step 3 (trainer.global_step 2): the update was applied" in str(info.value)
+    assert checkpoints(tmp_path) == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"]
+    for rank in (0, 1):
+        assert "a step's NaN/inf update reached the weights" in (tmp_path / f"refused{rank}.txt").read_text()
+
+
 class PoisonWeightsThenExport(L.Callback):
     """After step 2, one weight of rank 1 becomes NaN; then an HF export is tried on every rank
     (collective) and its error recorded; ModelCheckpoint's save of step 2 follows."""
