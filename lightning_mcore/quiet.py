@@ -1,16 +1,19 @@
 """The warnings and notices known to say nothing to a user of this library, silenced in one place.
 
 Each entry is an exact message (a regular expression matched from its start), the category and
-the module that raises it, and why it is harmless here; any other warning still shows. `install`
-runs when `lightning_mcore` is imported, before megatron.core (whose import warns) and again in
-every worker process, since each one imports the package.
+the module that raises it (for a log line: the logger), and why it is harmless here; any other
+warning still shows. `install` runs when `lightning_mcore` is imported, before megatron.core
+(whose import warns) and again in every worker process, since each one imports the package.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 
@@ -70,17 +73,46 @@ HARMLESS = (
              "mcore's dist_checkpointing builds torch ShardedTensors (seen through our CPU layer)"),
 )
 
-# Lightning's log lines that advertise other products, not anything about the run.
-ADVERTS = ("💡 Tip:",)
+
+def cuda_hidden_on_purpose() -> bool:
+    """CUDA_VISIBLE_DEVICES lists no device: the user hid the GPUs to run on CPU."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
 
 
-class _NoAdverts(logging.Filter):
+@dataclass(frozen=True)
+class HarmlessLine:
+    """A log line from others' code (not a Python warning), silenced like a Harmless entry."""
+
+    logger: str  # the logger's exact name
+    message: str  # regex, matched from the start of the message with its arguments filled in
+    why: str
+    only_if: Callable[[], bool] = lambda: True  # asked once, at install
+
+
+HARMLESS_LINES = tuple(
+    HarmlessLine(name, r"💡 Tip:", "Lightning's log lines that advertise other products")
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+) + (
+    HarmlessLine("torch.utils.cpp_extension", r"No CUDA runtime is found, using CUDA_HOME=",
+                 "torch says it as mcore imports torch's extension builder on a machine with CUDA "
+                 "installed; silenced only where the user hid the GPUs, and so knows",
+                 only_if=cuda_hidden_on_purpose),
+)
+
+
+class _DropLines(logging.Filter):
+    def __init__(self, lines: list[HarmlessLine]) -> None:
+        super().__init__()
+        self.lines = lines
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(ADVERTS)
+        text = record.getMessage()
+        return not any(re.match(line.message, text) for line in self.lines)
 
 
 def install() -> None:
-    """Add the filters (idempotent: warnings.filterwarnings replaces an identical entry)."""
+    """Add the filters (idempotent: warnings.filterwarnings replaces an identical entry, and a
+    logger's filter replaces the one an earlier install added)."""
     import torch
 
     has_gpu = torch.cuda.device_count() > 0  # NVML-based: does not initialise CUDA (fork-safe)
@@ -89,7 +121,10 @@ def install() -> None:
             continue
         warnings.filterwarnings("ignore", message=entry.message, category=entry.category,
                                 module=entry.module)
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    for name in dict.fromkeys(line.logger for line in HARMLESS_LINES):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _NoAdverts) for f in logger.filters):
-            logger.addFilter(_NoAdverts())
+        for old in [f for f in logger.filters if isinstance(f, _DropLines)]:
+            logger.removeFilter(old)
+        lines = [line for line in HARMLESS_LINES if line.logger == name and line.only_if()]
+        if lines:
+            logger.addFilter(_DropLines(lines))

@@ -127,3 +127,43 @@ def test_lightning_advice_on_workers_is_silenced(monkeypatch):
     (said,) = advice(silenced=False)
     assert said.startswith("The 'train_dataloader' does not have many workers") and "num_workers=7" in said
     assert advice(silenced=True) == []
+
+
+def test_torch_cuda_home_notice_is_silenced_only_where_gpus_are_hidden(monkeypatch, tmp_path):
+    """Run on CPU on a machine with CUDA installed (CUDA_VISIBLE_DEVICES=, as the CPU suite runs on
+    our GPU machines), torch logs that it finds no CUDA runtime while mcore imports its extension
+    builder. quiet.py drops that line where the GPUs are hidden, and only there."""
+    import logging
+
+    import torch
+    from torch.utils import cpp_extension
+
+    from lightning_mcore import quiet
+
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # CUDA installed here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and no runtime to be found
+
+    logger, seen = logging.getLogger("torch.utils.cpp_extension"), []
+    handler = logging.Handler()  # on the logger itself: torch's loggers do not propagate to root
+    handler.emit = lambda record: seen.append(record.getMessage())
+
+    def notices(visible) -> list[str]:
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        quiet.install()
+        seen.clear()
+        assert cpp_extension._find_cuda_home() == str(tmp_path)
+        return list(seen)
+
+    logger.addHandler(handler)
+    try:
+        (said,) = notices(None)  # no GPU hidden: torch's line means something, and shows
+        assert said.startswith("No CUDA runtime is found") and str(tmp_path) in said
+        assert notices("") == [] and notices("-1") == []
+        assert notices("0") == [said]  # a GPU asked for and not found
+    finally:
+        logger.removeHandler(handler)
+        monkeypatch.undo()
+        quiet.install()
