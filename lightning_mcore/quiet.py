@@ -68,6 +68,13 @@ HARMLESS = (
     Harmless(r"invalid escape sequence", SyntaxWarning, r".*megatron[./]core[./]",
              "a docstring in mcore's source, reported when Python compiles it (no .pyc cached); "
              "the module is then the file's path"),
+    Harmless(r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is "
+             r"to load in a single process", UserWarning, r"torch\.distributed\.checkpoint\.",
+             "mcore 0.19 loads each rank's shards without collectives (no_dist=True) and torch says "
+             "so at every load, resume and export; the module is torch's wrapper, not the caller"),
+    Harmless(r"The argument order of load has been changed", UserWarning,
+             r"torch\.distributed\.checkpoint\.",
+             "mcore 0.19 passes torch's checkpoint reader by position, which torch still accepts"),
     Harmless(r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
              r"(megatron\.core|lightning_mcore\.strategy\.cpu)\b",
              "mcore's dist_checkpointing builds torch ShardedTensors (seen through our CPU layer)"),
@@ -93,6 +100,9 @@ HARMLESS_LINES = tuple(
     HarmlessLine(name, r"💡 Tip:", "Lightning's log lines that advertise other products")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 ) + (
+    HarmlessLine("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED\.",
+                 "mcore 0.19 asks those who build on it to move to its HybridModel; GPTModel, which "
+                 "every mcore from 0.16.1 to 0.19 has, is what we build for the user"),
     HarmlessLine("torch.utils.cpp_extension", r"No CUDA runtime is found, using CUDA_HOME=",
                  "torch says it as mcore imports torch's extension builder on a machine with CUDA "
                  "installed; silenced only where the user hid the GPUs, and so knows",
