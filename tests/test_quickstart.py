@@ -99,33 +99,40 @@ def test_other_warnings_still_show(tmp_path):
     assert "backends.py" not in proc.stderr  # megatron's own: silenced
 
 
+def warned(action, silenced: bool) -> list[str]:
+    """The messages of the warnings `action` gives, every one shown (none filtered), or with
+    quiet.py's filters alone when `silenced`."""
+    import warnings
+
+    from lightning_mcore import quiet
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("always")
+        if silenced:
+            quiet.install()
+        action()
+    return [str(w.message) for w in caught]
+
+
 def test_lightning_advice_on_workers_is_silenced(monkeypatch):
     """Where a device has 3 or more CPUs (a user's machine, not CI's 2 cores) Lightning advises
     DataLoader workers for a loader with fewer than 2. It does on this machine when made to see 16
     CPUs for 2 devices, and quiet.py silences exactly that message from that module."""
     import types
-    import warnings
 
     from lightning.pytorch.trainer.connectors import data_connector
     from torch.utils.data import DataLoader
 
-    from lightning_mcore import quiet
-
     monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda devices: 16 // devices - 1)
     trainer, loader = types.SimpleNamespace(num_devices=2), DataLoader(list(range(4)))
 
-    def advice(silenced: bool) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.resetwarnings()
-            warnings.simplefilter("always")
-            if silenced:
-                quiet.install()
-            data_connector._worker_check(trainer, loader, "train_dataloader")
-        return [str(w.message) for w in caught]
+    def advice():
+        data_connector._worker_check(trainer, loader, "train_dataloader")
 
-    (said,) = advice(silenced=False)
+    (said,) = warned(advice, silenced=False)
     assert said.startswith("The 'train_dataloader' does not have many workers") and "num_workers=7" in said
-    assert advice(silenced=True) == []
+    assert warned(advice, silenced=True) == []
 
 
 def test_torch_cuda_home_notice_is_silenced_only_where_gpus_are_hidden(monkeypatch, tmp_path):
@@ -173,26 +180,16 @@ def test_torch_checkpoint_notices_of_mcore_019_loads_are_silenced(tmp_path):
     no_dist=True)`, and torch warns twice at each load (every resume and export). Called the same
     way here, torch's own load gives both warnings, quiet.py silences them, and a single-process
     save's warning, which is not ours to hide, still shows."""
-    import warnings
-
     import torch.distributed.checkpoint as dcp
 
-    from lightning_mcore import quiet
 
-    def said(silenced: bool) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.resetwarnings()
-            warnings.simplefilter("always")
-            if silenced:
-                quiet.install()
-            where = tmp_path / str(silenced)
-            dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(where), no_dist=True)
-            state = {"w": torch.zeros(3)}
-            dcp.load(state, dcp.FileSystemReader(where), no_dist=True)
+    def save_and_load(where):
+        dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(where), no_dist=True)
+        state = {"w": torch.zeros(3)}
+        dcp.load(state, dcp.FileSystemReader(where), no_dist=True)
         assert torch.equal(state["w"], torch.ones(3))
-        return [str(w.message) for w in caught]
 
-    save, order, load = said(silenced=False)
+    save, order, load = warned(lambda: save_and_load(tmp_path / "a"), silenced=False)
     assert "intent is to save in a single process" in save and "argument order of load" in order
     assert "intent is to load in a single process" in load
-    assert said(silenced=True) == [save]
+    assert warned(lambda: save_and_load(tmp_path / "b"), silenced=True) == [save]
