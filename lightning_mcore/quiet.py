@@ -25,6 +25,13 @@ class Harmless:
     module: str  # regex, matched from the start of the raising module's name
     why: str
     cpu_only: bool = False  # on a machine with a GPU the warning means something: keep it
+    only_if: Callable[[], bool] = lambda: True  # asked once, at install
+
+
+def _te_cross_entropy_in_fp32() -> bool:
+    from lightning_mcore.model.config import te_cross_entropy_in_fp32
+
+    return te_cross_entropy_in_fp32()
 
 
 HARMLESS = (
@@ -75,6 +82,15 @@ HARMLESS = (
     Harmless(r"The argument order of load has been changed", UserWarning,
              r"torch\.distributed\.checkpoint\.",
              "mcore 0.19 passes torch's checkpoint reader by position, which torch still accepts"),
+    Harmless(r"Transformer Engine cross entropy loss fusion has known stability issues",
+             UserWarning, r"megatron\.core\.",
+             "mcore 0.19 says so of TE before 2.18, whose kernel rounded its gradient to bf16 "
+             "(TransformerEngine #3193); we use TE's only from 2.18 (model/config.py)",
+             only_if=_te_cross_entropy_in_fp32),
+    Harmless(r"Using a large number of experts \(e\.g\. >=32\) without fp32 routing", UserWarning,
+             r"megatron\.core\.transformer\.transformer_config",
+             "we route as transformers' model of the family does: DeepSeek's gates in float32, "
+             "Qwen-MoE's in the model's dtype (GPTConfig.moe_router_dtype, which a config may set)"),
     Harmless(r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
              r"(megatron\.core|lightning_mcore\.strategy\.cpu)\b",
              "mcore's dist_checkpointing builds torch ShardedTensors (seen through our CPU layer)"),
@@ -127,7 +143,7 @@ def install() -> None:
 
     has_gpu = torch.cuda.device_count() > 0  # NVML-based: does not initialise CUDA (fork-safe)
     for entry in HARMLESS:
-        if entry.cpu_only and has_gpu:
+        if (entry.cpu_only and has_gpu) or not entry.only_if():
             continue
         warnings.filterwarnings("ignore", message=entry.message, category=entry.category,
                                 module=entry.module)

@@ -123,6 +123,11 @@ class GPTConfig:
     moe_router_num_groups: Optional[int] = None  # group-limited routing
     moe_router_group_topk: Optional[int] = None
     moe_router_topk_scaling_factor: Optional[float] = None
+    # The router's matmul, scores and top-k in float32, as transformers' DeepSeek gates compute
+    # them. None: the matmul in the model's dtype and top-k over the scores rounded to it, which
+    # on bf16 picks the experts of transformers' Qwen-MoE and Mixtral gates (tests/test_moe_router.py).
+    # mcore warns for 32+ experts without it; it changes no weight.
+    moe_router_dtype: Optional[Literal["fp32"]] = None
     # Execution
     transformer_impl: TransformerImpl = "auto"
     # Activation recompute (GPU; checks: strategy/memory.py). "full" recomputes whole layers:
@@ -268,6 +273,21 @@ def te_available() -> bool:
     return True
 
 
+def te_cross_entropy_in_fp32() -> bool:
+    """Whether the installed Transformer Engine's fused cross entropy keeps its gradient in
+    float32: from 2.18 (TransformerEngine #3193). Before, it rounded the softmax gradient into the
+    bf16 logits, which mcore 0.19 warns of and Megatron-LM refuses; mcore's own fusion is used
+    then. Read from the package's metadata, so that quiet.py may ask before TE is imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("transformer_engine")) >= Version("2.18")
+    except PackageNotFoundError:
+        return False
+
+
 def to_transformer_config(
     cfg: GPTConfig,
     parallel,  # strategy.parallel.ParallelConfig
@@ -322,7 +342,8 @@ def to_transformer_config(
         persist_layer_norm=use_te,
         bias_dropout_fusion=use_te,
         cross_entropy_loss_fusion=use_te,
-        cross_entropy_fusion_impl="te" if use_te else "native",
+        # TE's kernel keeps the logits in bf16 (mcore's saves their float32 softmax)
+        cross_entropy_fusion_impl="te" if use_te and te_cross_entropy_in_fp32() else "native",
         recompute_granularity=cfg.recompute_granularity,
     )
     if cfg.fp8 is not None:
@@ -364,6 +385,7 @@ def to_transformer_config(
             moe_router_num_groups=cfg.moe_router_num_groups,
             moe_router_group_topk=cfg.moe_router_group_topk,
             moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+            moe_router_dtype=cfg.moe_router_dtype,
         )
         if use_te and cfg.torch_experts:
             # TE's fused permutation sorts by expert on the device (mcore's unfused sort reads the

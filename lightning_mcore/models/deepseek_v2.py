@@ -84,6 +84,7 @@ class DeepseekV2(Architecture):
             moe_ffn_hidden_size=hf["moe_intermediate_size"],
             moe_shared_expert_intermediate_size=shared or None,
             moe_layer_freq=[int(i >= dense) for i in range(hf["num_hidden_layers"])],
+            moe_router_dtype="fp32",  # transformers' V2 and V3 gates compute in float32
         )
 
     def router(self, hf: HFConfig) -> dict:

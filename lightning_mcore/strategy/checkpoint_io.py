@@ -301,7 +301,7 @@ def read_common(path: Path, model_config, tensor_parallel_size: int = 1) -> dict
               "recompute_modules", "activation_offload_layers", "cuda_graphs", "extra", "seq_length",
               "attention_dropout", "hidden_dropout",
               # mcore's SequentialMLP, TE's grouped experts and torch's save the same sharded tensors
-              "moe_grouped_gemm", "moe_grouped_gemm_backend"}
+              "moe_grouped_gemm", "moe_grouped_gemm_backend", "moe_router_dtype"}
     differ = [f"{k}: checkpoint {saved.get(k)!r} vs model {v!r}" for k, v in current.items()
               if k not in ignore and k in saved and saved[k] != v]
     if differ:

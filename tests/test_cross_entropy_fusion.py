@@ -1,0 +1,25 @@
+"""Transformer Engine's fused cross entropy is used only where it keeps its gradient in float32
+(TE 2.18 on, TransformerEngine #3193); before, mcore's own fusion. On GPU:
+tests/test_gpu_cross_entropy.py."""
+
+import importlib.metadata
+
+import pytest
+
+from lightning_mcore.model.config import te_cross_entropy_in_fp32
+
+
+@pytest.mark.parametrize("installed,fp32", [("2.17.1", False), ("2.18.0.dev0", False), ("2.18.0", True),
+                                            ("2.20.2", True), (None, False)])
+def test_te_fusion_only_from_2_18(monkeypatch, installed, fp32):
+    real = importlib.metadata.version
+
+    def version(name):
+        if name != "transformer_engine":
+            return real(name)
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert te_cross_entropy_in_fp32() is fp32
