@@ -15,7 +15,7 @@ def test_te_fusion_only_from_2_18(monkeypatch, installed, fp32):
     real = importlib.metadata.version
 
     def version(name):
-        if name != "transformer_engine":
+        if not name.startswith("transformer_engine"):
             return real(name)
         if installed is None:
             raise importlib.metadata.PackageNotFoundError(name)
@@ -23,3 +23,18 @@ def test_te_fusion_only_from_2_18(monkeypatch, installed, fp32):
 
     monkeypatch.setattr(importlib.metadata, "version", version)
     assert te_cross_entropy_in_fp32() is fp32
+
+
+def test_te_version_from_its_torch_part(monkeypatch):
+    """Installed as its torch extension's distribution only (no `transformer_engine` one)."""
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "transformer_engine_torch":
+            return "2.20.2"
+        if name == "transformer_engine":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert te_cross_entropy_in_fp32()

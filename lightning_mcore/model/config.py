@@ -282,10 +282,12 @@ def te_cross_entropy_in_fp32() -> bool:
 
     from packaging.version import Version
 
-    try:
-        return Version(version("transformer_engine")) >= Version("2.18")
-    except PackageNotFoundError:
-        return False
+    for name in ("transformer_engine", "transformer_engine_torch"):  # the wheel, or its torch part
+        try:
+            return Version(version(name)) >= Version("2.18")
+        except PackageNotFoundError:
+            continue
+    return False
 
 
 def to_transformer_config(
