@@ -5,6 +5,7 @@
     lightning-mcore fit --config configs/quickstart.yaml --print_config
     lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out
     lightning-mcore verify --model hf-dir --tensor_model_parallel_size 2
+    lightning-mcore preprocess --input corpus.jsonl --tokenizer tok-dir --output-prefix data/corpus
 
 Config mistakes end with `error: ...` naming the key and exit code 2, without a traceback:
 unknown keys and wrong types (jsonargparse), parallel layouts that cannot work with the world
@@ -37,7 +38,10 @@ EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no
                "lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out "
                "[--mode peft] [--overwrite]; see lightning-mcore export --help. "
                "verify: an HF checkpoint in our model against transformers: lightning-mcore verify "
-               "--model hf-dir [--tensor_model_parallel_size 2 ...]; see lightning-mcore verify --help.")
+               "--model hf-dir [--tensor_model_parallel_size 2 ...]; see lightning-mcore verify --help. "
+               "preprocess: text to mcore indexed .bin/.idx files: lightning-mcore preprocess --input "
+               "corpus.jsonl --tokenizer tok-dir --output-prefix data/corpus; see lightning-mcore "
+               "preprocess --help.")
 
 
 class MegatronCLI(LightningCLI):
@@ -385,6 +389,10 @@ def main(args=None) -> None:
         from lightning_mcore.verify import main as verify_main
 
         return verify_main(argv[1:])
+    if argv[:1] == ["preprocess"]:  # text to mcore indexed .bin/.idx files
+        from lightning_mcore.data.preprocess import main as preprocess_main
+
+        return preprocess_main(argv[1:], prog="lightning-mcore preprocess")
     MegatronCLI(args=args)
 
 

@@ -75,6 +75,10 @@ HARMLESS = (
     Harmless(r"invalid escape sequence", SyntaxWarning, r".*megatron[./]core[./]",
              "a docstring in mcore's source, reported when Python compiles it (no .pyc cached); "
              "the module is then the file's path"),
+    Harmless(r"barrier\(\): using the device under current context", UserWarning, r"torch\.distributed\.",
+             "the strategy leaves the process group unbound to the device on purpose (binding holds "
+             "NCCL memory for every group at once: strategy/megatron.py); each rank's device is set "
+             "before the group starts, so the barrier runs on it"),
     Harmless(r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is "
              r"to load in a single process", UserWarning, r"torch\.distributed\.checkpoint\.",
              "mcore 0.19 loads each rank's shards without collectives (no_dist=True) and torch says "

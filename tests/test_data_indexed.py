@@ -133,3 +133,63 @@ def test_module_runs_as_a_command(tmp_path, monkeypatch, capsys):
     runpy.run_module("lightning_mcore.data.preprocess", run_name="__main__", alter_sys=True)
     assert capsys.readouterr().out.startswith("wrote ")
     assert Path(out + ".bin").is_file() and Path(out + ".idx").is_file()
+
+
+def test_readme_preprocess_command(tmp_path, tok):  # noqa: F811 (the imported fixture)
+    """The README's command as shown (its placeholders: a corpus and the bundled tokenizer),
+    through `lightning-mcore`: it prints no warning (python -m of a module its package imports
+    makes runpy warn) and writes each jsonl row as one document."""
+    import json
+
+    from readme import commands, run, section, user_dir, warnings_in
+
+    (argv,) = [a for a in commands(section("How it fits together")) if a[1] == "preprocess"]
+    work = user_dir(tmp_path / "user")
+    rows = ["The first document.", "A second one, longer than the first."]
+    (work / "corpus.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    argv = [str(Path(TOKENIZER).resolve()) if a == "TOKENIZER_DIR" else a for a in argv]
+    proc = run(argv, work)
+    assert warnings_in(proc.stderr) == [] and "RuntimeWarning" not in proc.stderr, proc.stderr
+    written = IndexedDataset(str(work / "data" / "corpus"))
+    expected = [tuple(tok.encode(r, add_special_tokens=False) + [tok.eos_token_id]) for r in rows]
+    assert [tuple(written[i].tolist()) for i in range(len(written))] == expected
+
+
+def test_existing_dataset_is_refused_unless_overwrite(tmp_path, capsys):
+    first = tmp_path / "first.txt"
+    first.write_text("one document\n\nand another\n")
+    args = ["--tokenizer", TOKENIZER, "--output-prefix", str(tmp_path / "corpus"), "--cache-dir", str(tmp_path / "c")]
+    preprocess(["--input", str(first)] + args)
+    before = {p: (tmp_path / p).read_bytes() for p in ("corpus.bin", "corpus.idx")}
+    capsys.readouterr()
+
+    with pytest.raises(SystemExit) as exit_info:
+        preprocess(["--input", SAMPLE] + args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --output-prefix") and "corpus.bin exists" in err[0] and "--overwrite" in err[0]
+    assert {p: (tmp_path / p).read_bytes() for p in before} == before
+
+    preprocess(["--input", SAMPLE, "--overwrite"] + args)
+    assert len(IndexedDataset(str(tmp_path / "corpus"))) == len(paragraphs(SAMPLE))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("corpus")) == ["corpus.bin", "corpus.idx"]
+
+
+def test_a_run_that_fails_midway_leaves_the_old_dataset(tmp_path, monkeypatch):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    args = ["--tokenizer", TOKENIZER, "--output-prefix", str(tmp_path / "corpus"), "--cache-dir", str(tmp_path / "c")]
+    preprocess(["--input", SAMPLE] + args)
+    before = {p: (tmp_path / p).read_bytes() for p in ("corpus.bin", "corpus.idx")}
+    written = []
+
+    def add_document(self, tensor, lengths, modes=None):
+        if len(written) == 2:
+            raise OSError("disk full")
+        written.append(tensor)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_document", add_document)
+    with pytest.raises(OSError, match="disk full"):
+        preprocess(["--input", SAMPLE, "--overwrite"] + args)
+    assert {p.name for p in tmp_path.iterdir() if p.name.startswith("corpus")} == set(before)
+    assert {p: (tmp_path / p).read_bytes() for p in before} == before

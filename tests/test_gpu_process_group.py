@@ -34,3 +34,18 @@ def test_gpu_fit_leaves_the_process_group_unbound(tmp_path):
     print(facts)
     assert len(losses) == 2
     assert facts["bound"] == "None", facts
+
+
+def test_torch_advice_to_bind_the_group_is_silenced(tmp_path):
+    """An unbound NCCL group makes torch advise `device_id` at the first barrier; quiet.py silences
+    that advice (the unbinding is deliberate, above), and the barrier runs on the current device."""
+    from test_quickstart import warned
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        advice = warned(dist.barrier, silenced=False)
+        assert any(a.startswith("barrier(): using the device under current context") for a in advice), advice
+        assert warned(dist.barrier, silenced=True) == []
+    finally:
+        dist.destroy_process_group()

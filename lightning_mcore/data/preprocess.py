@@ -3,8 +3,12 @@
 The in-memory path (``PretrainDataModule(paths=...)``) and this command share the loading and
 tokenizing below, so both see the same documents and the same ids::
 
-    python -m lightning_mcore.data.preprocess --input data/*.jsonl --tokenizer tok/ \\
+    lightning-mcore preprocess --input data/*.jsonl --tokenizer tok/ \\
         --output-prefix data/corpus --append-eos
+
+(``python -m lightning_mcore.data.preprocess`` runs the same.) Existing PREFIX.bin/.idx files
+are refused unless ``--overwrite``; both are written under temporary names and renamed when
+complete, so a run that stops midway leaves no half-written dataset under PREFIX.
 
 A ``.txt`` file holds one document per blank-line-separated paragraph; ``.jsonl``/``.json``
 and ``.parquet`` hold one document per row in ``text_field``. Documents are stripped of
@@ -18,6 +22,7 @@ import glob
 import hashlib
 import json
 import os
+import sys
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -152,24 +157,51 @@ def token_chunks(tokenized) -> list[np.ndarray]:
     return [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks]
 
 
+def indexed_files(output_prefix: str) -> tuple[str, str]:
+    return output_prefix + ".bin", output_prefix + ".idx"
+
+
 def write_indexed(tokenized, output_prefix: str, vocab_size: int) -> tuple[int, int]:
-    """Write one mcore indexed document per row; return (documents, tokens) written."""
+    """Write one mcore indexed document per row; return (documents, tokens) written. Written
+    under temporary names, then renamed: .idx (which a reader opens first) goes last, and an
+    .idx being replaced is removed first, so no moment pairs a new .bin with an old .idx."""
+    import uuid
+
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=DType.optimal_dtype(vocab_size))
-    documents = tokens = 0
-    for batch in tokenized.with_format("numpy").iter(batch_size=1024):
-        for doc in batch["input_ids"]:
-            builder.add_document(doc, [len(doc)])
-            documents, tokens = documents + 1, tokens + len(doc)
-    builder.finalize(output_prefix + ".idx")
+    final = indexed_files(output_prefix)
+    tmp = tuple(f"{path}.tmp-{uuid.uuid4().hex[:8]}" for path in final)
+    try:
+        builder = IndexedDatasetBuilder(tmp[0], dtype=DType.optimal_dtype(vocab_size))
+        documents = tokens = 0
+        for batch in tokenized.with_format("numpy").iter(batch_size=1024):
+            for doc in batch["input_ids"]:
+                builder.add_document(doc, [len(doc)])
+                documents, tokens = documents + 1, tokens + len(doc)
+        builder.finalize(tmp[1])
+        if os.path.exists(final[1]):
+            os.remove(final[1])
+        os.replace(tmp[0], final[0])
+        os.replace(tmp[1], final[1])
+    finally:
+        for path in tmp:
+            if os.path.exists(path):
+                os.remove(path)
     return documents, tokens
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def refuse_existing(output_prefix: str, overwrite: bool) -> None:
+    """Raise FileExistsError naming an existing PREFIX.bin/.idx, unless `overwrite`."""
+    existing = [path for path in indexed_files(output_prefix) if os.path.exists(path)]
+    if existing and not overwrite:
+        raise FileExistsError(f"--output-prefix {output_prefix}: {existing[0]} exists; pass --overwrite "
+                              f"to replace {' and '.join(existing)}, or choose another prefix.")
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m lightning_mcore.data.preprocess") -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_mcore.data.preprocess",
+        prog=prog,
         description="Tokenize text/jsonl/parquet files into mcore indexed PREFIX.bin/.idx files.",
     )
     parser.add_argument("--input", nargs="+", required=True, help="files or globs")
@@ -179,9 +211,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--append-eos", action="store_true", help="end every document with EOS")
     parser.add_argument("--workers", type=int, default=None, help="tokenizing processes")
     parser.add_argument("--cache-dir", default=None, help="datasets cache directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing PREFIX.bin/.idx")
     args = parser.parse_args(argv)
 
-    files = resolve_files(args.input)
+    try:  # the mistakes found before any tokenizing: one line naming the file and the fix
+        refuse_existing(args.output_prefix, args.overwrite)
+        files = resolve_files(args.input)
+    except (FileExistsError, FileNotFoundError, ValueError) as error:
+        sys.stderr.write(f"error: {error}\n")
+        raise SystemExit(2) from None
     tokenizer = load_tokenizer(args.tokenizer)
     documents = load_documents(files, args.text_field, args.cache_dir)
     tokenized = tokenize_documents(documents, tokenizer, args.append_eos, args.workers)
