@@ -27,6 +27,12 @@ GATES = {"qwen3_moe": "qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter",
 HIDDEN, TOKENS = 256, 4096
 
 
+def translated(family: str):
+    """Our GPTConfig of the family's wide config.json, as the family module translates it."""
+    cfg, _ = gpt_config_from_hf({**hf_config_dict(family), **WIDE[family], "hidden_size": HIDDEN})
+    return cfg
+
+
 def hf_gate(family: str):
     module, name = GATES[family].rsplit(".", 1)
     config_cls, _, extra = FAMILIES[family]()
@@ -45,7 +51,7 @@ def mcore_experts(family: str, gate, hidden: torch.Tensor, router_dtype="family"
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe.router import TopKRouter
 
-    cfg, _ = gpt_config_from_hf({**hf_config_dict(family), **WIDE[family], "hidden_size": HIDDEN})
+    cfg = translated(family)
     if router_dtype != "family":
         cfg = dataclasses.replace(cfg, moe_router_dtype=router_dtype)
     with single_process_megatron(), torch.no_grad():
@@ -74,8 +80,7 @@ def hidden():
 @pytest.mark.parametrize("family,expected", [("qwen3_moe", None), ("mixtral", None), ("deepseek_v3", "fp32")])
 def test_router_picks_the_experts_transformers_picks(family, expected, hidden):
     assert hasattr(tf.models, family)
-    cfg, _ = gpt_config_from_hf({**hf_config_dict(family), **WIDE[family], "hidden_size": HIDDEN})
-    assert cfg.moe_router_dtype == expected
+    assert translated(family).moe_router_dtype == expected
     gate = hf_gate(family)
     ours, theirs = mcore_experts(family, gate, hidden), hf_experts(gate, hidden)
     assert ours.sum(1).eq(gate.top_k).all()
@@ -96,7 +101,7 @@ def test_mcore_advice_on_router_dtype_is_silenced(hidden):
     which quiet.py silences: the router routes as transformers' Qwen3-MoE does (above)."""
     from test_quickstart import warned
 
-    cfg, _ = gpt_config_from_hf({**hf_config_dict("qwen3_moe"), **WIDE["qwen3_moe"], "hidden_size": HIDDEN})
+    cfg = translated("qwen3_moe")
 
     def build():
         to_transformer_config(cfg, ParallelConfig(), torch.bfloat16, on_cpu=True, use_te=False)
