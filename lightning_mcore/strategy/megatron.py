@@ -35,6 +35,7 @@ from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, release_captured_graphs,
                                                   validate_cuda_graphs, validate_graphed_module)
 from lightning_mcore.strategy.expert_gemm import validate_expert_gemm, validate_expert_kernel
+from lightning_mcore.strategy.forked import rebuild_thread_pool
 from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
@@ -209,6 +210,7 @@ class MegatronStrategy(DDPStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
 
     def setup_environment(self) -> None:
+        rebuild_thread_pool()  # a forked rank's first backward could find none (strategy/forked.py)
         self.validate_module(self.lightning_module)  # still before any process group exists
         _ = self.dtype  # refuse unsupported precision before starting processes groups
         if self.on_cpu:
