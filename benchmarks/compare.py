@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from pairs import pair_lines
 
 HERE = Path(__file__).parent
 
@@ -329,6 +330,9 @@ def summarize(case: str, results: dict) -> None:
             a_, b_ = (f"{a}#{suffix}", f"{b}#{suffix}") if suffix else (a, b)
             if a_ in tok and b_ in tok:
                 print(f"  {a_} / {b_}: {tok[a_] / tok[b_]:.3f}x")
+    for a, b in pairs:
+        for line in pair_lines(a, b, results) if len(repeats) > 1 else []:
+            print(line)
     for a in ("fp8-delayed", "fp8-current", "fp8-delayed-h1024"):
         if a in results and "bf16" in results and results[a].get("losses"):
             tail = lambda r: sum(r["losses"][-20:]) / 20  # noqa: E731  mean of the last 20 steps
