@@ -330,9 +330,10 @@ def summarize(case: str, results: dict) -> None:
             a_, b_ = (f"{a}#{suffix}", f"{b}#{suffix}") if suffix else (a, b)
             if a_ in tok and b_ in tok:
                 print(f"  {a_} / {b_}: {tok[a_] / tok[b_]:.3f}x")
-    for a, b in pairs:
-        for line in pair_lines(a, b, results) if len(repeats) > 1 else []:
-            print(line)
+    if len(repeats) > 1:  # interleaved pairs: each pair's geometric mean and interval (pairs.py)
+        for a, b in pairs:
+            for line in pair_lines(a, b, results):
+                print(line)
     for a in ("fp8-delayed", "fp8-current", "fp8-delayed-h1024"):
         if a in results and "bf16" in results and results[a].get("losses"):
             tail = lambda r: sum(r["losses"][-20:]) / 20  # noqa: E731  mean of the last 20 steps
