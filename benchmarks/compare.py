@@ -5,6 +5,11 @@ and the ratios against the raw mcore loop and HF transformers.
     python benchmarks/compare.py --cases 1b fp8 --out results.jsonl
     python benchmarks/compare.py --cases all
 
+Interleaved pairs over two calls, summarised together (geometric mean and 95% interval):
+
+    python benchmarks/compare.py --cases moe-ep2-late --repeat 3 --out a.jsonl
+    python benchmarks/compare.py --cases moe-ep2-late --repeat 2 --first-repeat 4 --reference a.jsonl --out b.jsonl
+
 Cases needing more GPUs than the machine has are skipped with a note.
 """
 
@@ -354,6 +359,9 @@ def main() -> None:
     ap.add_argument("--reference", default=None,
                     help="a previous --out .jsonl: its runs of the same cases join the tables (e.g. the bf16 curve)")
     ap.add_argument("--repeat", type=int, default=1, help="run each case's list this many times, interleaved")
+    ap.add_argument("--first-repeat", type=int, default=1,
+                    help="number the repeats from this one (labels #N), to go on from an earlier call whose "
+                         "--out is given as --reference: its pairs and these are summarised together")
     ap.add_argument("--alloc-conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF for every run")
     args = ap.parse_args()
     cases = list(CASES) if "all" in args.cases else args.cases
@@ -368,8 +376,9 @@ def main() -> None:
     for case in cases:
         results = {r["label"]: r for r in reference if r.get("case") == case}
         for i, (need, label, bench_args) in enumerate(CASES[case] * args.repeat):
-            if i >= len(CASES[case]):
-                label = f"{label}#{i // len(CASES[case]) + 1}"
+            repeat = i // len(CASES[case]) + args.first_repeat
+            if repeat > 1:
+                label = f"{label}#{repeat}"
             if args.only and label.split("#")[0] not in args.only:
                 continue
             if need > gpus:
