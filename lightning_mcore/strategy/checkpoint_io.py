@@ -30,6 +30,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore.atomic import replace_dir
+# CheckpointLoadError and load_plain live in safe_files; callers read them from here too.
+from lightning_mcore.strategy.safe_files import (
+    CheckpointLoadError,
+    check_extra_state,
+    check_weights,
+    load_plain,
+)
 
 COMMON = "common.pt"
 WEIGHTS = "weights"
@@ -46,10 +53,6 @@ class CheckpointOptions:
     save_optimizer: bool = True
     save_rng: bool = True
     async_save: bool = False
-
-
-class CheckpointLoadError(ValueError):
-    """A ckpt_path that does not exist, is not our checkpoint, or belongs to another model."""
 
 
 def temporary_path(path: Path) -> Path:
@@ -216,28 +219,9 @@ def _load_common(path: Path) -> dict:
             f"ckpt_path {path} is not a MegatronStrategy checkpoint (expected a directory with "
             f"{COMMON} and {WEIGHTS}/)."
         )
-    return load_plain(path / COMMON)
-
-
-def load_plain(file: Path) -> Any:
-    """A checkpoint file of tensors, plain containers and primitives. torch's weights-only
-    unpickler refuses anything else, so a crafted file cannot run code in this process."""
-    import pickle
-
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        lines = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line]
-        reason = (lines[0] if lines else "unsupported content")[:200]
-        raise CheckpointLoadError(
-            f"{file} holds Python objects other than tensors and plain containers ({reason}); "
-            f"refusing to load it, as that could run arbitrary code. MegatronStrategy never "
-            f"writes such objects: this file was not written by lightning-mcore, or was changed."
-        ) from None
-    except (EOFError, RuntimeError, OSError) as error:
-        detail = (str(error).splitlines() or [""])[0]
-        raise CheckpointLoadError(f"{file} cannot be read ({type(error).__name__}: {detail}); the "
-                                  f"checkpoint is incomplete or damaged.") from None
+    common = load_plain(path / COMMON)
+    check_weights(path / WEIGHTS)  # before any reader of ours or of mcore's opens them
+    return common
 
 
 def check_plain(obj: Any, where: str = "checkpoint") -> None:
@@ -364,6 +348,7 @@ def _load_sharded(state: dict, path: Path) -> dict:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
+    check_weights(Path(path) / WEIGHTS)
     try:
         return dist_checkpointing.load(state, str(Path(path) / WEIGHTS))
     except CheckpointException as error:
@@ -383,6 +368,7 @@ def load_model(path: Path, chunks) -> None:
     for key, chunk in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
         model = getattr(chunk, "module", chunk)
         adapters_only = getattr(model, "lora", None) is not None
+        check_extra_state(loaded[key], Path(path) / WEIGHTS)
         missing, unexpected = model.load_state_dict(loaded[key], strict=not adapters_only)
         missing = [k for k in missing if k.startswith("lora.")]
         if missing or unexpected:
