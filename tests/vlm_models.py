@@ -14,22 +14,26 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
               spatial_merge_size=2, temporal_patch_size=2)
 
 
-def make_vlm(family: str, directory: Path, seed: int = 0):
-    """A tiny `family` model ("qwen2_5_vl", "qwen3_vl") saved to `directory`, in eval mode."""
+def make_vlm(family: str, directory: Path, seed: int = 0, **rope):
+    """A tiny `family` model ("qwen2_5_vl", "qwen3_vl") saved to `directory`, in eval mode.
+    `rope`: rope_parameters entries to set (None leaves one out), e.g. mrope_section=[1, 3, 3]."""
     import transformers
+
+    def rope_parameters(**defaults) -> dict:
+        given = dict(rope_type="default", rope_theta=10000.0, **defaults) | rope
+        return {k: v for k, v in given.items() if v is not None}
 
     torch.manual_seed(seed)
     if family == "qwen2_5_vl":
         config = transformers.Qwen2_5_VLConfig(
-            text_config=dict(TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                        mrope_section=[2, 3, 3])),
+            text_config=dict(TEXT, rope_parameters=rope_parameters(mrope_section=[2, 3, 3])),
             vision_config=dict(VISION, patch_size=14, window_size=56, fullatt_block_indexes=[1]),
             **TOKENS)
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
     else:
         config = transformers.Qwen3VLConfig(
-            text_config=dict(TEXT, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                        mrope_section=[2, 3, 3], mrope_interleaved=True)),
+            text_config=dict(TEXT, rope_parameters=rope_parameters(mrope_section=[2, 3, 3],
+                                                                   mrope_interleaved=True)),
             vision_config=dict(VISION, patch_size=16, num_position_embeddings=64,
                                deepstack_visual_indexes=[0]),
             **TOKENS)

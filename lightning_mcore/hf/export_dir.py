@@ -1,9 +1,13 @@
 """Where an export may land: never over something this library did not write.
 
-An export directory carries MARKER, a small JSON note of what wrote it. An existing target is
-used only when it is empty, or replaced when the caller asks for `overwrite` *and* it carries
-the marker; a file, a directory of someone else's files, or a directory holding (or held by)
-the checkpoint or HF model being exported from is refused, with or without `overwrite`.
+An export directory carries MARKER, a small JSON note of what wrote it and the files it wrote.
+An existing target is used only when it is empty, or replaced when the caller asks for
+`overwrite` *and* it carries the marker *and* it holds nothing the export did not write (a
+user's notes or evaluation results added later would go with it: the first such file is named
+instead). A marker from before the file list was kept (no "files") vouches only for the names
+an export writes: config, weights and their index, tokenizer, processor and adapter files,
+with no subdirectory. A file, a directory of someone else's files, or a directory holding (or
+held by) the checkpoint or HF model being exported from is refused, with or without `overwrite`.
 
 The directory is written under a temporary sibling name and renamed into place when complete
 (atomic.replace_dir); a failure removes the temporary directory, which holds only what this
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -58,7 +63,46 @@ def target_problem(output, overwrite: bool = False, protected: Iterable = ()) ->
     if not (out / MARKER).is_file():
         return (f"output {output} is not a lightning-mcore export (it has no {MARKER}), so it is "
                 f"never replaced, even with overwrite; choose another output directory.")
+    foreign = first_foreign(out)
+    if foreign is not None:
+        return (f"output {output} holds {Path(output) / foreign}, which the earlier export did not "
+                f"write, and overwrite replaces the directory as a whole; move it (and anything else "
+                f"of yours) out of {output}, or choose another output directory.")
     return None
+
+
+# The names an export writes (hf/export.py, hf/peft_export.py), besides tokenizer and processor
+# files: all that a marker without a file list vouches for.
+_EXPORT_NAME = re.compile(r"(config|generation_config|adapter_config)\.json|model\.safetensors"
+                          r"|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
+                          r"|adapter_model\.safetensors")
+
+
+def first_foreign(directory: Path) -> Optional[str]:
+    """The first path under `directory` (relative, sorted; files before directories)
+    that the export its MARKER describes did not write; None when there is none."""
+    listed = _listed_files(directory)
+    if listed is None:
+        from lightning_mcore.hf.export import PROCESSOR_FILES, TOKENIZER_FILES
+
+        known = {*TOKENIZER_FILES, *PROCESSOR_FILES}
+        listed = {p.name for p in directory.iterdir() if p.name in known or _EXPORT_NAME.fullmatch(p.name)}
+    parents = {parent.as_posix() for name in listed for parent in Path(name).parents}
+    paths = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*"))
+    files = [p for p in paths if not (directory / p).is_dir() and p not in listed and p != MARKER]
+    dirs = [p for p in paths if (directory / p).is_dir() and p not in parents]
+    return (files or dirs or [None])[0]
+
+
+def _listed_files(directory: Path) -> Optional[set]:
+    """The files MARKER says the export wrote; None for a marker without a readable list."""
+    try:
+        files = json.loads((directory / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return set(files)
 
 
 def check_target(output, overwrite: bool = False, protected: Iterable = ()) -> Path:
@@ -83,15 +127,18 @@ def check_targets(outputs: Iterable, overwrite: bool = False, protected: Iterabl
 
 @contextlib.contextmanager
 def staged_dir(output: Path, note: dict) -> Iterator[Path]:
-    """A fresh temporary sibling of `output` to write into. On success MARKER (with `note`) is
-    added, files are made world-readable, and the directory replaces `output`; on any error it
-    is removed. Call `check_target` first."""
+    """A fresh temporary sibling of `output` to write into. On success MARKER (with `note` and
+    the list of files written, which a later overwrite checks) is added, files are made
+    world-readable, and the directory replaces `output`; on any error it is removed. Call
+    `check_target` first."""
     output = Path(output)
     tmp = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        (tmp / MARKER).write_text(json.dumps({"written_by": "lightning-mcore", **note}, indent=2))
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
+        (tmp / MARKER).write_text(json.dumps({"written_by": "lightning-mcore", **note, "files": files},
+                                             indent=2))
         for path in [tmp, *tmp.rglob("*")]:
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         replace_dir(tmp, output)
