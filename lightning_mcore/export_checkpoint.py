@@ -61,6 +61,7 @@ def export_checkpoint(
         output: the HF directory to write (written to a temporary name, then renamed).
         source: an HF directory whose tokenizer and generation config are copied (and, for a
             LoRA run, whose weights are the base); defaults to the one the run started from.
+            One that is not a directory is refused (never silently left out).
         mode: for a LoRA run, "merged" (full model, adapters merged) or "peft" (the adapter).
         max_shard_bytes: size limit of each ``model-0000N-of-0000M.safetensors`` shard.
         overwrite: replace an earlier lightning-mcore export at ``output``; anything else
@@ -71,6 +72,7 @@ def export_checkpoint(
             expert linear, ...mlp.experts.<e>.gate_proj.lora_A.weight: the names vLLM loads).
     """
     from lightning_mcore import models
+    from lightning_mcore.hf.config import HFCheckpointError
     from lightning_mcore.hf.export import export_hf
     from lightning_mcore.hf.export_dir import check_target
     from lightning_mcore.hf.peft_export import export_peft
@@ -83,6 +85,12 @@ def export_checkpoint(
     from lightning_mcore.strategy.parallel import ParallelConfig
 
     saved = checkpoint_io.read_saved_model(checkpoint)  # clear errors before any set-up
+    if source is not None and not Path(source).expanduser().is_dir():
+        raise HFCheckpointError(
+            f"--source {source} is not a directory{'' if Path(source).expanduser().exists() else ' (nothing is there)'}: "
+            f"pass the Hugging Face directory the run started from (its tokenizer and generation "
+            f"config are copied), or leave --source out to use the one the checkpoint records "
+            f"({saved.hf_path}).")
     if source is None and saved.hf_path and Path(saved.hf_path).is_dir():
         source = saved.hf_path
     if mode == "peft" and not saved.lora:

@@ -191,6 +191,15 @@ def write_indexed(tokenized, output_prefix: str, vocab_size: int) -> tuple[int, 
     return documents, tokens
 
 
+def refuse_nameless(output_prefix: str) -> None:
+    """Raise ValueError for a prefix without a file name (`data/`, `data/.`): it would write
+    hidden files `data/.bin` and `data/.idx`."""
+    if os.path.basename(output_prefix) in ("", ".", ".."):
+        raise ValueError(f"--output-prefix {output_prefix} has no file name, so it would write hidden "
+                         f"files {output_prefix}.bin and .idx; name them, e.g. --output-prefix "
+                         f"{os.path.join(output_prefix, 'corpus')}")
+
+
 def refuse_existing(output_prefix: str, overwrite: bool) -> None:
     """Raise FileExistsError naming an existing PREFIX.bin/.idx, unless `overwrite`."""
     existing = [path for path in indexed_files(output_prefix) if os.path.exists(path)]
@@ -215,6 +224,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m lightning_
     args = parser.parse_args(argv)
 
     try:  # the mistakes found before any tokenizing: one line naming the file and the fix
+        refuse_nameless(args.output_prefix)
         refuse_existing(args.output_prefix, args.overwrite)
         files = resolve_files(args.input)
     except (FileExistsError, FileNotFoundError, ValueError) as error:
