@@ -86,8 +86,9 @@ def export_checkpoint(
 
     saved = checkpoint_io.read_saved_model(checkpoint)  # clear errors before any set-up
     if source is not None and not Path(source).expanduser().is_dir():
+        missing = "" if Path(source).expanduser().exists() else " (nothing is there)"
         raise HFCheckpointError(
-            f"--source {source} is not a directory{'' if Path(source).expanduser().exists() else ' (nothing is there)'}: "
+            f"--source {source} is not a directory{missing}: "
             f"pass the Hugging Face directory the run started from (its tokenizer and generation "
             f"config are copied), or leave --source out to use the one the checkpoint records "
             f"({saved.hf_path}).")
