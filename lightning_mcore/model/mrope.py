@@ -1,8 +1,10 @@
 """Multimodal RoPE (GPTConfig.mrope) computed as transformers' Qwen-VL models compute it.
 
 Each token carries three positions (t, h, w). Frequency i of the head_dim/2 turns by one of
-them: the first section[0] by t, the next section[1] by h, the rest by w; or, interleaved
-(Qwen3-VL), t h w t h w ... over the first 3*section[1] frequencies and t after them:
+them: the first section[0] by t, the next section[1] by h, the rest by w (the sections must
+sum to head_dim/2); or, interleaved (Qwen3-VL), by h at 1, 4, 7, ... below 3*section[1], by w
+at 2, 5, 8, ... below 3*section[2], by t everywhere else. As transformers' Qwen3-VL rotary
+does, the interleaved layout reads only section[1] and section[2], whatever the sum:
 
     sectioned   [t t t t | h h h h h h | w w w w w w]        section = [4, 6, 6]
     interleaved [t h w t h w t h w t h w ...  t t t t]
@@ -25,7 +27,7 @@ from lightning_mcore.model.rope import rope_inv_freq
 class MultimodalRoPE(torch.nn.Module):
     def __init__(self, inv_freq: torch.Tensor, mrope: MRoPEConfig) -> None:
         super().__init__()
-        if 2 * sum(mrope.section) != 2 * inv_freq.numel():
+        if not mrope.interleaved and sum(mrope.section) != inv_freq.numel():
             raise ValueError(f"mrope section {mrope.section} must sum to head_dim/2 = {inv_freq.numel()}.")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.section, self.interleaved = list(mrope.section), mrope.interleaved

@@ -15,6 +15,7 @@ class Qwen3_VL(VisionLanguage):
     text_family = QWEN3
     vision_class, vision_config_class = "Qwen3VLVisionModel", "Qwen3VLVisionConfig"
     text_prefix, vision_prefix = "model.language_model.", "model.visual."
+    mrope_interleaved = True
 
 
 ARCHITECTURE = Qwen3_VL()

@@ -23,6 +23,9 @@ class VisionLanguage(Architecture):
     vision_class = ""  # transformers class of the vision encoder + merger
     vision_config_class = ""  # and of its config
     text_prefix = "model."  # where the decoder's tensors sit in the checkpoint
+    # transformers' rotary of the family: sectioned or interleaved M-RoPE, whatever config.json's
+    # mrope_interleaved says (transformers does not read it)
+    mrope_interleaved = False
     vision_prefix = "visual."  # and the vision encoder's
     # transformers 5 holds the decoder here in memory, whatever the checkpoint's layout (it
     # renames Qwen2.5-VL's `model.layers.*` on load); PEFT adapters are keyed by it
@@ -53,12 +56,23 @@ class VisionLanguage(Architecture):
         vision = data.get("vision_config") or hf.refuse("vision_config", "missing.")
         if data.get("image_token_id") is None:
             hf.refuse("image_token_id", "missing: the image placeholder token must be known.")
-        mrope = MRoPEConfig(section=list(rope["mrope_section"]),
-                            interleaved=bool(rope.get("mrope_interleaved", False)))
+        mrope = MRoPEConfig(section=list(rope["mrope_section"]), interleaved=self.mrope_interleaved)
+        self._check_mrope(text, mrope)
         deep = len(vision.get("deepstack_visual_indexes") or [])
         return self.text_family.gpt_config(text) | dict(
             mrope=mrope, vision=VisionConfig(hf=dict(vision), image_token_id=int(data["image_token_id"]),
                                              deepstack_layers=deep))
+
+    def _check_mrope(self, text: HFConfig, mrope: MRoPEConfig) -> None:
+        """A sectioned layout splits the head_dim/2 rotary frequencies by the section: a sum
+        other than that fails in transformers' forward (torch.split) and in our ranks; refused
+        here, before any launch. The interleaved one takes any section, as transformers does."""
+        half = (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) // 2
+        if not mrope.interleaved and sum(mrope.section) != half:
+            raise HFCheckpointError(
+                f"{text.source}: rope_parameters.mrope_section={mrope.section} sums to "
+                f"{sum(mrope.section)}, but {self.hf_class} splits the head_dim/2 = {half} rotary "
+                f"frequencies by it (transformers fails on it too): make it sum to {half}.")
 
     def hf_config(self, cfg):
         raise HFCheckpointError(
