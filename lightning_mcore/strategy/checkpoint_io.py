@@ -22,9 +22,10 @@ import inspect
 import multiprocessing as mp
 import queue
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -55,9 +56,15 @@ class CheckpointOptions:
     async_save: bool = False
 
 
-def temporary_path(path: Path) -> Path:
+def temporary_path(path: Path, rank: int) -> Path:
+    """A temporary sibling of `path` of its own for each save, the same on every rank (rank 0
+    draws it): two saves of one name (last.ckpt, while an async save of it is still writing)
+    never share one."""
     digest = hashlib.sha1(path.name.encode()).hexdigest()[:10]
-    return path.parent / f".tmp-{digest}"
+    name = [f".tmp-{digest}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    return path.parent / name[0]
 
 
 def model_sharded_state_dict(chunks) -> dict:
@@ -171,19 +178,23 @@ def _mcore_async_writer(save_fn) -> dict:
 
 
 def save(path: Path, common: dict, chunks, optimizer, rank: int,
-         options: CheckpointOptions = CheckpointOptions()):
-    """Collective: every rank writes its shards into a temporary directory, rank 0 renames it.
+         options: CheckpointOptions = CheckpointOptions(), wanted: Callable[[], bool] = lambda: True):
+    """Collective: every rank writes its shards into a temporary directory of this save's own,
+    rank 0 renames it once all are written.
 
     With `options.async_save` the shards are written by a forked process and the returned
-    mcore AsyncRequest renames the directory once every rank is done (the caller schedules it).
+    mcore AsyncRequest publishes the directory once every rank is done (the caller schedules
+    it; mcore runs its own finalize first, which writes the metadata). Should `wanted()` say
+    False by then (Lightning removed the checkpoint while it was being written), rank 0 removes
+    the temporary directory instead. A crash leaves it under its `.tmp-` name, never taken for
+    a checkpoint.
     """
     from megatron.core import dist_checkpointing
 
     _results_queue(options.async_save)
     path = Path(path)
-    tmp = temporary_path(path)
+    tmp = temporary_path(path, rank)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of the same name
         (tmp / WEIGHTS).mkdir(parents=True)
     dist.barrier()
     if options.save_rng:
@@ -197,7 +208,10 @@ def save(path: Path, common: dict, chunks, optimizer, rank: int,
     def publish() -> None:
         dist.barrier()
         if rank == 0:
-            replace_dir(tmp, path)
+            if wanted():
+                replace_dir(tmp, path)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)  # this save's own directory
         dist.barrier()
 
     if request is None:

@@ -17,6 +17,8 @@ import contextlib
 import dataclasses
 import functools
 import shutil
+import signal
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -24,12 +26,15 @@ from typing import Any, Callable, Literal, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mcore.strategy import determinism
+from lightning_mcore.strategy.async_saves import AsyncSaves
+from lightning_mcore.strategy.signals import SignalWatch, StopSignal, hpc_checkpoint_path, requeue_slurm_job
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, release_captured_graphs,
@@ -125,10 +130,13 @@ class MegatronStrategy(DDPStrategy):
         self.batch = BatchConfig(global_batch_size, micro_batch_size)
         self.seed = seed
         self.checkpoint_options = checkpoint or CheckpointOptions()
-        self._async_saves = None  # mcore AsyncCallsQueue, made by the first async save
+        self._async_saves = AsyncSaves()  # checkpoints still being written (async_save)
         self._cpu = CpuCompat()
         self.deterministic = False  # Trainer(deterministic=True): set when the Trainer builds us
         self._long_lived = FrozenAfterFirstStep()  # the garbage collector's (strategy/garbage.py)
+        self._signals = SignalWatch()  # SIGTERM/SIGINT/SLURM requeue, acted on between steps
+        self._signal_group = None  # a gloo group of all ranks for it, where the default is NCCL
+        self._stopped_by = 0  # the signal this run stopped on
 
     # ---------------------------------------------------------------- environment
     @property
@@ -574,9 +582,37 @@ class MegatronStrategy(DDPStrategy):
         )
         return {k: torch.tensor(v) for k, v in payload[0].items()}  # read on the host already
 
+    def on_train_start(self) -> None:
+        """From here on a stop or requeue signal is acted on between steps (strategy/signals.py)."""
+        super().on_train_start()
+        env = self.cluster_environment
+        requeue = env.requeue_signal if isinstance(env, SLURMEnvironment) and env.auto_requeue else None
+        if dist.is_initialized() and dist.get_backend() != "gloo":
+            self._signal_group = dist.new_group(backend="gloo")
+        forward = getattr(self.launcher, "kill", None) if self.is_global_zero else None
+        self._signals.install(forward, requeue, self._signal_group)
+
+    def _act_on_signals(self) -> None:
+        """Collective: every rank stops (or saves and requeues) at the same step."""
+        stop, requeue = self._signals.agreed()
+        trainer = self.lightning_module.trainer
+        if requeue:
+            path = hpc_checkpoint_path(trainer.default_root_dir)
+            trainer.save_checkpoint(path)  # rank 0's path names it (checkpoint_io.save)
+            if self.is_global_zero:
+                requeue_slurm_job()
+        if stop:
+            if self.is_global_zero:
+                sys.stderr.write(f"lightning-mcore: stopped by {signal.Signals(stop).name} before step "
+                                 f"{trainer.global_step + 1}; checkpoints still being written are "
+                                 f"finished first; exit code {128 + stop}.\n")
+            self._stopped_by = stop
+            raise StopSignal(stop)
+
     def training_step(self, *args: Any, **kwargs: Any):
         # No autocast context: mcore runs mixed precision itself (bf16 weights, fp32 main
         # weights and grads in its optimizer), so Lightning's autocast would only add casts.
+        self._act_on_signals()
         self.finalize_async_saves()
         if not self.on_cpu:  # the GPU fast path (strategy/garbage.py says why not on CPU)
             self._long_lived.before_step(self.lightning_module.trainer.global_step)
@@ -615,19 +651,14 @@ class MegatronStrategy(DDPStrategy):
             "dtype": str(self.dtype).removeprefix("torch."),
         }
         common = checkpoint_io.strip_for_common(checkpoint, extra)
+        pending = self._async_saves.new(filepath)
         with self.mcore_context():
             request = checkpoint_io.save(
                 Path(filepath), common, list(module.chunks),
                 optimizer.optimizer if optimizer is not None else None, self.global_rank,
-                self.checkpoint_options,
+                self.checkpoint_options, wanted=lambda: not pending.removed,
             )
-            if request is not None:
-                from megatron.core.dist_checkpointing.strategies.async_utils import (
-                    AsyncCallsQueue,
-                )
-
-                self._async_saves = self._async_saves or AsyncCallsQueue()
-                self._async_saves.schedule_async_request(request)
+            self._async_saves.schedule(request, pending)
 
     def refuse_nonfinite_weights(self, what: str) -> None:
         """Raise NonFiniteError rather than write `what` from NaN/inf weights, or from weights a
@@ -641,11 +672,25 @@ class MegatronStrategy(DDPStrategy):
                                  f"checkpoint.")
         refuse_nonfinite_weights(self.lightning_module.chunks, self.root_device, what)
 
+    def _finish_async_saves(self) -> None:
+        """Wait for the checkpoints still being written and publish them. One whose writer was
+        killed (a SIGKILL, SIGTERM to a writer) stays under its temporary name, reported in one
+        line on a stopped run; otherwise its error is raised."""
+        try:
+            self.finalize_async_saves(blocking=True)
+        except Exception as error:  # noqa: BLE001 - re-raised unless the run stops on a signal
+            if not self._stopped_by:
+                raise
+            if self.is_global_zero:
+                sys.stderr.write(f"lightning-mcore: a checkpoint being written when the run was "
+                                 f"stopped could not be finished ({type(error).__name__}); it was not "
+                                 f"published, the previous one stays in place.\n")
+
     def finalize_async_saves(self, blocking: bool = False) -> None:
         """Publish the async checkpoints whose writes finished on every rank (collective)."""
-        if self._async_saves is not None and self._async_saves.get_num_unfinalized_calls():
+        if len(self._async_saves):
             with self.mcore_context():
-                self._async_saves.maybe_finalize_async_calls(blocking=blocking)
+                self._async_saves.finalize(blocking=blocking)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         from lightning_mcore.strategy import checkpoint_io
@@ -688,6 +733,8 @@ class MegatronStrategy(DDPStrategy):
                                          optimizer.optimizer)
 
     def remove_checkpoint(self, filepath) -> None:
+        """Lightning's removal (save_top_k); a checkpoint still being written is not published."""
+        self._async_saves.remove(filepath)
         if self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True)
 
@@ -697,7 +744,11 @@ class MegatronStrategy(DDPStrategy):
 
         from lightning_mcore.strategy.teardown import destroy_model_parallel
 
-        self.finalize_async_saves(blocking=True)
+        self._finish_async_saves()
+        self._signals.uninstall()
+        if self._signal_group is not None:
+            dist.destroy_process_group(self._signal_group)
+            self._signal_group = None
         self._long_lived.release()
         if self._graph_shape is not None:  # a graphed step ran (or began): its captures go
             release_captured_graphs()

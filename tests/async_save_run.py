@@ -1,0 +1,55 @@
+"""Child process of test_checkpoint_faults: 6 steps of the tiny model on 2 ranks (DP=2, the
+popen launcher, as the CLI starts them) with async saves every step (save_top_k=1, last.ckpt)
+under `<tmp>/fast` and every 3 steps under `<tmp>/run-ckpts`, the writer slowed so that saves
+come faster than it writes. argv: tmp dir, mode:
+  "slow"              finish normally (or be signalled by the test);
+  "freeze-writing"    the writer of the 7th save freezes mid-write (`<tmp>/frozen` appears);
+  "freeze-publishing" the 2nd publication of fast/last.ckpt freezes before its rename, its
+                      shards and metadata complete in the temporary directory.
+Each writer call appends a line to `<tmp>/writes` before it writes."""
+
+import sys
+import time
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+from lightning_mcore.strategy import checkpoint_io
+from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
+from toy import fit_with_checkpoints
+
+DELAY_S = 0.5
+tmp, mode = Path(sys.argv[1]), sys.argv[2]
+
+
+def freeze() -> None:
+    (tmp / "frozen").write_text(mode)
+    time.sleep(600)
+
+
+def slow_writer(*args, **kwargs):
+    with open(tmp / "writes", "a") as log:
+        log.write("write\n")
+    calls = len((tmp / "writes").read_text().splitlines())
+    if mode == "freeze-writing" and calls >= 13:  # 2 ranks: the 7th save
+        freeze()
+    time.sleep(DELAY_S)
+    return original_writer(*args, **kwargs)
+
+
+def replace_dir(src, final):
+    if final.name == "last.ckpt" and final.parent.name == "fast":
+        with open(tmp / "publications", "a") as log:
+            log.write("last\n")
+        if mode == "freeze-publishing" and len((tmp / "publications").read_text().splitlines()) == 2:
+            freeze()
+    return original_replace(src, final)
+
+
+original_writer = FileSystemWriterAsync.write_preloaded_data_multiproc
+FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow_writer)
+original_replace, checkpoint_io.replace_dir = checkpoint_io.replace_dir, replace_dir
+fast = ModelCheckpoint(dirpath=tmp / "fast", every_n_train_steps=1, save_top_k=1, save_last=True)
+fit_with_checkpoints(tmp, "run", devices=2, start_method="popen", tensor_model_parallel_size=1,
+                     checkpoint=CheckpointOptions(async_save=True), callbacks=(fast,))

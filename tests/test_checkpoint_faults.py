@@ -1,0 +1,126 @@
+"""Acceptance (issue 43, items 2 and 4): async saves faster than their writer, kills at each
+stage of a save, and stop signals never publish half a checkpoint, never hang, and end a
+stopped run with a non-zero exit code.
+
+A checkpoint counts as complete when torch's own dcp metadata lists shards that are all there
+at full length, and both ranks' RNG files and common.pt are in place; the newest one must
+also resume.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_mcore.strategy.safe_files import load_plain, read_dcp_metadata
+from toy import fit_with_checkpoints
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.distributed
+
+
+def start(tmp: Path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen([sys.executable, str(HERE / "async_save_run.py"), str(tmp), mode], env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(child: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert child.poll() is None, f"the run ended before {what}: {child.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def writes(tmp: Path) -> int:
+    return len((tmp / "writes").read_text().splitlines()) if (tmp / "writes").exists() else 0
+
+
+def group_gone(pgid: int, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def complete_step(ckpt: Path) -> int:
+    """The global step of a complete checkpoint; fails on a partial one."""
+    step = load_plain(ckpt / "common.pt")["global_step"]
+    metadata = read_dcp_metadata(ckpt / "weights" / ".metadata")
+    for info in metadata.storage_data.values():
+        shard = ckpt / "weights" / info.relative_path
+        assert shard.is_file() and shard.stat().st_size >= info.offset + info.length, (ckpt, info)
+    assert (ckpt / "rng_0.pt").is_file() and (ckpt / "rng_1.pt").is_file(), ckpt
+    return step
+
+
+def published(tmp: Path) -> dict[Path, int]:
+    """Every checkpoint under its final name, with its step; all must be complete."""
+    return {ckpt: complete_step(ckpt) for d in ("fast", "run-ckpts") if (tmp / d).is_dir()
+            for ckpt in sorted((tmp / d).glob("*.ckpt"))}
+
+
+def resumes(tmp: Path, ckpt: Path, step: int) -> None:
+    losses = fit_with_checkpoints(tmp, "resumed", devices=2, ckpt_path=str(ckpt), tensor_model_parallel_size=1)
+    assert len(losses) == 6 - step
+
+
+def test_saves_faster_than_the_writer(tmp_path):
+    """Each step saves step=N.ckpt (the previous one removed, maybe still being written) and
+    last.ckpt (again, while the last one is written): the run finishes, only the newest
+    checkpoints remain and all are complete; no temporary directory is left."""
+    child = start(tmp_path, "slow")
+    out, err = child.communicate(timeout=600)
+    assert child.returncode == 0, err[-3000:]
+    ckpts = published(tmp_path)
+    names = sorted(str(p.relative_to(tmp_path)) for p in ckpts)
+    assert names == ["fast/epoch=0-step=6.ckpt", "fast/last.ckpt", "run-ckpts/epoch=0-step=3.ckpt",
+                     "run-ckpts/epoch=0-step=6.ckpt", "run-ckpts/last.ckpt"], names
+    assert ckpts[tmp_path / "fast" / "last.ckpt"] == 6
+    assert not list(tmp_path.glob("*/.tmp-*"))
+
+
+@pytest.mark.parametrize("mode", ["freeze-writing", "freeze-publishing"])
+def test_kill_during_an_async_save(tmp_path, mode):
+    """SIGKILL while a save is written, or after it is written and before it is renamed:
+    every checkpoint in place is complete and the newest resumes."""
+    child = start(tmp_path, mode)
+    wait_for(child, (tmp_path / "frozen").exists, "the frozen save")
+    os.killpg(child.pid, signal.SIGKILL)
+    child.communicate()
+    assert group_gone(child.pid)
+    ckpts = published(tmp_path)
+    assert tmp_path / "fast" / "last.ckpt" in ckpts
+    newest = max(ckpts, key=lambda p: (ckpts[p], p.name == "last.ckpt"))
+    assert ckpts[tmp_path / "fast" / "last.ckpt"] == ckpts[newest]
+    resumes(tmp_path, tmp_path / "fast" / "last.ckpt", ckpts[newest])
+
+
+@pytest.mark.parametrize("target", ["group", "rank 0"])
+def test_sigterm_during_an_async_save(tmp_path, target):
+    """A scheduler's SIGTERM to every process (or to rank 0 alone) while saves are written: the
+    run finishes them, publishes them, and exits 143; no process is left; last.ckpt is the
+    newest complete checkpoint."""
+    child = start(tmp_path, "slow")
+    wait_for(child, lambda: writes(tmp_path) >= 6, "the third save")
+    (os.killpg if target == "group" else os.kill)(child.pid, signal.SIGTERM)
+    _, err = child.communicate(timeout=240)
+    assert child.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM" in err
+    assert group_gone(child.pid), "processes of the run are still alive"
+    ckpts = published(tmp_path)
+    fast = {p: s for p, s in ckpts.items() if p.parent.name == "fast"}
+    assert fast[tmp_path / "fast" / "last.ckpt"] == max(fast.values()) < 6
+    assert not list(tmp_path.glob("*/.tmp-*")), "a save in flight was left unfinished"
