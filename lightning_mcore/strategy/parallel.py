@@ -218,6 +218,7 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
             f"tensor_model_parallel_size ({tp}). Use a tensor-parallel size that divides it.",
             options=("tensor_model_parallel_size",), fields=("num_query_groups",),
         )
+    _validate_widths(p, model)
     stages = pp * p.virtual_stages
     if model.num_layers % stages:
         what = f"pipeline_model_parallel_size ({pp})"
@@ -270,6 +271,46 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
             f"sequence_parallel splits seq_length ({model.seq_length}) over "
             f"tensor_model_parallel_size ({tp}); make it divisible.",
             options=("sequence_parallel", "tensor_model_parallel_size"), fields=("seq_length",),
+        )
+
+
+def _validate_widths(p: ParallelConfig, model: "GPTConfig") -> None:
+    """Each tensor-parallel rank computes an equal share of every MLP: mcore's linears assert
+    that the width divides, in every rank while the model is built. Dense MLP layers and shared
+    experts are split over tensor_model_parallel_size, routed experts (SequentialMLP, TE's and
+    torch's grouped experts) over expert_tensor_parallel_size, which defaults to it. (mcore's
+    legacy GroupedMLP asserts only on width x local experts when built, then fails in its first
+    forward on the same rule.)"""
+    tp = p.tensor_model_parallel_size
+    dense = any(not model.is_moe_layer(layer) for layer in range(model.num_layers))
+    if dense and model.ffn_hidden_size % tp:
+        raise LayoutError(
+            f"ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by tensor_model_parallel_size "
+            f"({tp}): each tensor-parallel rank computes an equal share of the MLP width "
+            f"(intermediate_size in a Hugging Face config.json). Use a tensor-parallel size that "
+            f"divides it.",
+            options=("tensor_model_parallel_size",), fields=("ffn_hidden_size",),
+        )
+    if not model.num_moe_experts:
+        return
+    etp_option = "expert_tensor_parallel_size" if p.expert_tensor_parallel_size else "tensor_model_parallel_size"
+    etp = p.expert_tensor_parallel_size or tp
+    field = "moe_ffn_hidden_size" if model.moe_ffn_hidden_size else "ffn_hidden_size"
+    width = getattr(model, field)
+    if width % etp:
+        raise LayoutError(
+            f"{field} ({width}) is not divisible by {etp_option} ({etp}): each expert-tensor-parallel "
+            f"rank computes an equal share of every routed expert's width. Set "
+            f"expert_tensor_parallel_size (default: tensor_model_parallel_size) to a size that divides it.",
+            options=(etp_option,), fields=(field,),
+        )
+    shared = model.moe_shared_expert_intermediate_size
+    if shared and shared % tp:
+        raise LayoutError(
+            f"moe_shared_expert_intermediate_size ({shared}) is not divisible by "
+            f"tensor_model_parallel_size ({tp}): each tensor-parallel rank computes an equal share "
+            f"of the shared experts' width. Use a tensor-parallel size that divides it.",
+            options=("tensor_model_parallel_size",), fields=("moe_shared_expert_intermediate_size",),
         )
 
 
