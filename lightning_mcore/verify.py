@@ -5,18 +5,27 @@
 
 Loads the HF directory into our model at the layout given (MegatronStrategy ranks, as `fit`
 starts them), runs a few prompts through it and through transformers' AutoModelForCausalLM
-(loaded from --reference, by default the same directory), and prints the largest logit
-difference, the top-1 agreement and a JSON line. Past the tolerance it exits 1 and names the
-first decoder layer whose output differs (`model.layers.K`, transformers' module name): each
-side's layer outputs are captured with forward hooks and compared in turn. Mistakes found
-before any rank starts (no config.json, an unsupported architecture, a layout that cannot work)
-end with one `error:` line and exit code 2.
+(loaded from --reference, by default the same directory; experts run eagerly), and prints the
+largest logit difference, the top-1 agreement and a JSON line. Every decoder layer's output
+(captured with forward hooks on both sides) and the logits are compared, each against its own
+tolerance; past one, verify names the first decoder layer that differs (`model.layers.K`,
+transformers' module name).
+
+Exit codes: 0 pass; 1 a difference past the tolerance (or a failure in our model's ranks, with
+one `error:` line); 2 a mistake in the command or files (no config.json or weights, a damaged
+weights file, an unsupported architecture, a reference of another shape, a layout that cannot
+work), found before any rank starts, one `error:` line; 4 transformers' reference failed to load
+or run, one `error:` line (not 3: that is a rank's own refusal, refusals.REFUSED_EXIT).
 
 Differences are relative, per token: max |ours - reference| / max(1, max |reference|) over one
 position's logits (or hidden state), the largest over the prompts' positions. So they mean the
 same for small random models and for trained ones whose logits reach 30 and whose residual
 stream carries outliers in the thousands on a few tokens (an absolute bf16 error there says
 nothing, and scaling by those outliers would hide every other token).
+
+Tolerances are measured on the reference: transformers' model runs the prompts a second time at
+another precision, and that difference (its own rounding, for this model and these prompts)
+times a factor, with a floor, is each output's tolerance. See `tolerance_rule`.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import math
 import re
 import sys
 import tempfile
+import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, NoReturn, Optional
@@ -33,19 +44,27 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-# Relative tolerance per precision of our model. fp32 (the default, on CPU): both sides do the
-# same arithmetic in another order, which leaves ~1e-6 (a random 16-layer Llama whose logits reach
-# 75, at TP=2 with SP), while a mapping mistake moves the logits by 1e-2 or more (that model: eps
-# 1e-5 for 1e-6 1.1e-2, q/k rotary layout wrong in one layer 1.1e-2, gate/up swapped 8e-2, kv
-# heads out of order 0.6). bf16 (GPU, Transformer Engine) against transformers in fp32: one
-# rounding is 2^-9 = 2e-3, and it grows with depth; the same 16-layer model in bf16 (local spec,
-# CPU) differs by 1.6e-2 and its layer outputs by ~4e-3 x sqrt(layer), so an 80-layer model comes
-# near 4e-2. 1e-1 leaves room for that; a broken mapping (garbled heads, wrong rotary layout in a
-# trained model) lands far above it. fp32 with Transformer Engine (GPU, --precision 32-true): TE
-# runs fp32 GEMMs in TF32 (10-bit mantissa, a quarter of bf16's rounding), hence a quarter of it.
-TOLERANCE = {"32-true": 1e-3, "bf16-mixed": 1e-1}
-TF32_TOLERANCE = 2.5e-2
-PRECISIONS = tuple(TOLERANCE)
+# Tolerances: (floor, factor) per precision of the comparison; an output's tolerance is factor x
+# the reference's own difference between two precisions on the same prompts, at least floor.
+# fp32 (the default, on CPU): transformers' model in float32 vs float64 differs by 1.5e-8..5e-8
+# per layer and 7e-8..3e-7 on the logits (tiny models of 6 families), 1e-6 for a 16-layer Llama
+# 128 wide, 5e-6 for the tiny Gemma 3 (larger activations); our fp32 model differs from
+# transformers' fp32 by 0..1.23x that (those models at TP=1 and TP=2 with SP, prompts of 32 and
+# 250 tokens). One corrupted weight moves an output by 390x to 1e6x it: DeepSeek-V3 with two rows
+# of one q_b_proj swapped by 1.3e-4 on the logits (the fixed 1e-3 used before passed it), one
+# expert entry doubled by 7.8e-6. Hence 10x, at least 1e-6 (16 float32 roundings, 2^-24 each).
+# bf16 (GPU, Transformer Engine): one rounding is 2^-9 = 2e-3; transformers' own model cast to
+# bf16 is 0.002-0.03 off its fp32 logits (0.001-0.005 at the last layer), Gemma 3's 0.096 (0.106),
+# and our bf16 runs came within 1.13x of that on GPU (benchmarks/RESULTS.md, issue 18: logits
+# 0.002-0.028, Gemma 3 0.108) and 1.4x on CPU (local spec, Gemma 3's second layer: 0.097 against
+# 0.070). Hence 2x, at least 0.1: a broken mapping (garbled heads, a wrong rotary layout in a
+# trained model) lands far above it; a single corrupted weight does not, and is the fp32 run's
+# to catch. fp32 with Transformer Engine (GPU, --precision 32-true): TE runs fp32 GEMMs in
+# TF32 (10-bit mantissa, a quarter of bf16's rounding), hence a floor of a quarter of bf16's.
+FP32_RULE, TF32_RULE, BF16_RULE = (1e-6, 10.0), (2.5e-2, 10.0), (1e-1, 2.0)
+PRECISIONS = ("32-true", "bf16-mixed")
+# 3 is a rank's own refusal (refusals.REFUSED_EXIT); a reference failure is neither that nor a mismatch
+MISMATCH_EXIT, USAGE_EXIT, REFERENCE_FAILED_EXIT = 1, 2, 4
 REFERENCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # The default prompts: with a tokenizer in the model (or reference) directory, these texts;
 # without one, TOKEN_ROWS fixed rows of TOKEN_LENGTH token ids drawn from the vocab (seeded).
@@ -62,6 +81,45 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 class VerifyError(ValueError):
     """A mistake found before any rank starts: the CLI prints it as one `error:` line, exit 2."""
+
+
+class ReferenceFailed(RuntimeError):
+    """transformers could not load or run the reference: not a mismatch, exit 4."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How each output's tolerance is set: `factor` x the reference's own difference between its
+    run in its dtype and a second run cast to `noise_dtype` (None: no second run), at least
+    `floor`."""
+
+    floor: float
+    factor: float
+    noise_dtype: Optional[torch.dtype]
+    basis: str  # the rule in words, for the report
+
+    def tolerance(self, noise: Optional[float]) -> float:
+        """An unmeasured or non-finite noise leaves the floor."""
+        if noise is None or not math.isfinite(noise):
+            return self.floor
+        return max(self.floor, self.factor * noise)
+
+
+def tolerance_rule(precision: str, use_te: bool, reference_dtype: str,
+                   tolerance: Optional[float] = None) -> Rule:
+    """The rule for our model at `precision` against the reference in `reference_dtype` (see
+    the comment on FP32_RULE): the noise comes from the precision the comparison rounds at,
+    bf16 where either side runs in it. A given `tolerance` applies to every output as it is."""
+    if tolerance is not None:
+        return Rule(tolerance, 0.0, None, f"--tolerance={tolerance:g} for every output")
+    reference = REFERENCE_DTYPES[reference_dtype]
+    if precision == "bf16-mixed" or reference == torch.bfloat16:
+        (floor, factor), other = BF16_RULE, torch.float32 if reference == torch.bfloat16 else torch.bfloat16
+    else:
+        (floor, factor), other = TF32_RULE if use_te else FP32_RULE, torch.float64
+    names = [str(d).removeprefix("torch.") for d in (reference, other)]
+    return Rule(floor, factor, other, f"{factor:g}x transformers' own {names[0]} vs {names[1]} "
+                                      f"difference per output, at least {floor:g}")
 
 
 @dataclass(frozen=True)
@@ -130,13 +188,17 @@ class Report:
     reference: str
     layout: str
     prompts: str
-    tolerance: float
+    rule: str  # how the tolerances were set (Rule.basis)
+    tolerance: float  # the logits'
     max_logit_diff: float  # absolute
     max_logit: float  # max |reference logit|, the scale
     logit_diff: float  # relative, per position (relative_diff)
+    logit_noise: Optional[float]  # the reference's own difference between two precisions
     top1_agree: int
     positions: int
     layer_diffs: dict[str, float] = field(default_factory=dict)  # HF layer name -> relative diff
+    layer_noise: dict[str, float] = field(default_factory=dict)
+    layer_tolerances: dict[str, float] = field(default_factory=dict)
     first_divergent: Optional[str] = None
     passed: bool = False
 
@@ -147,14 +209,16 @@ class Report:
             ("layout", self.layout),
             ("prompts", self.prompts),
             ("max |logit diff|", f"{self.max_logit_diff:.3e} (largest |logit| {self.max_logit:.3g})"),
-            ("relative diff", f"{self.logit_diff:.3e} (tolerance {self.tolerance:g})"),
+            ("relative diff", f"{self.logit_diff:.3e} (tolerance {self.tolerance:.3g})"),
+            ("tolerances", self.rule),
             ("top-1 agreement", f"{self.top1_agree}/{self.positions} "
                                 f"({100 * self.top1_agree / max(self.positions, 1):.1f}%)"),
         ]
         if not self.passed:
             diff = self.layer_diffs.get(self.first_divergent)
-            rows.append(("first divergence", f"{self.first_divergent}"
-                         + (f" (relative diff {diff:.3e})" if diff is not None else "")))
+            limit = self.layer_tolerances.get(self.first_divergent)
+            rows.append(("first divergence", f"{self.first_divergent}" + (
+                f" (relative diff {diff:.3e}, tolerance {limit:.3g})" if diff is not None else "")))
         rows.append(("result", "PASS" if self.passed else "FAIL"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -173,30 +237,39 @@ def relative_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((ours - ref).abs().amax(-1) / scale).max())
 
 
-def first_divergent(layer_diffs: dict[str, float], tolerance: float, last: str) -> str:
-    """The first layer past `tolerance`; past none, what follows the last layer."""
-    for name, diff in layer_diffs.items():
-        if not diff <= tolerance:
+def first_divergent(diffs: dict[str, float], tolerances: dict[str, float]) -> Optional[str]:
+    """The first output (in order) past its tolerance, or None."""
+    for name, diff in diffs.items():
+        if not diff <= tolerances[name]:
             return name
-    return f"after {last} (the final norm or the output layer)"
+    return None
 
 
-def compare(ours: dict, ref: dict, prompts: Prompts, tolerance: float, names: list[str]) -> dict:
+def compare(ours: dict, ref: dict, noisy: Optional[dict], prompts: Prompts, rule: Rule,
+            names: list[str]) -> dict:
     """Report fields from both sides' logits [rows, seq, vocab] and layer outputs
-    {index: [rows, seq, hidden]}; only the prompts' own positions count."""
+    {index: [rows, seq, hidden]}, and the reference's second run (`noisy`, None: not run) that
+    sets the tolerances; only the prompts' own positions count."""
     mask = prompts.mask()
     a, b = ours["logits"][mask], ref["logits"][mask]
     finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
     max_diff = float((a.double() - b.double()).abs().max()) if finite else math.inf
-    layer_diffs = {names[i]: relative_diff(ours["layers"][i][mask], ref["layers"][i][mask])
-                   for i in range(len(names)) if i in ours["layers"] and i in ref["layers"]}
-    logit_diff = relative_diff(a, b)
-    passed = logit_diff <= tolerance
+    kept = [i for i in range(len(names)) if i in ours["layers"] and i in ref["layers"]]
+    diffs = {names[i]: relative_diff(ours["layers"][i][mask], ref["layers"][i][mask]) for i in kept}
+    noise = {names[i]: relative_diff(noisy["layers"][i][mask], ref["layers"][i][mask])
+             for i in kept if i in noisy["layers"]} if noisy is not None else {}
+    logits = f"after {names[-1]} (the final norm or the output layer)"
+    diffs[logits] = relative_diff(a, b)
+    noise[logits] = relative_diff(noisy["logits"][mask], b) if noisy is not None else None
+    tolerances = {name: rule.tolerance(noise.get(name)) for name in diffs}
+    first = first_divergent(diffs, tolerances)
+    logit_diff, logit_noise, tolerance = diffs.pop(logits), noise.pop(logits), tolerances.pop(logits)
     return dict(
-        tolerance=tolerance, max_logit_diff=max_diff, max_logit=float(b.abs().max()),
-        logit_diff=logit_diff, top1_agree=int((a.argmax(-1) == b.argmax(-1)).sum()),
-        positions=int(mask.sum()), layer_diffs=layer_diffs, passed=passed,
-        first_divergent=None if passed else first_divergent(layer_diffs, tolerance, names[-1]),
+        rule=rule.basis, tolerance=tolerance, max_logit_diff=max_diff, max_logit=float(b.abs().max()),
+        logit_diff=logit_diff, logit_noise=logit_noise,
+        top1_agree=int((a.argmax(-1) == b.argmax(-1)).sum()), positions=int(mask.sum()),
+        layer_diffs=diffs, layer_noise=noise, layer_tolerances=tolerances,
+        first_divergent=first, passed=first is None,
     )
 
 
@@ -268,32 +341,88 @@ def run_ours(module, trainer: L.Trainer, prompts: Prompts, out: Path) -> Optiona
 
 
 # ---------------------------------------------------------------------- transformers' side
-def run_reference(directory: str, prompts: Prompts, dtype: torch.dtype) -> tuple[dict, list[str]]:
-    """transformers' logits and decoder-layer outputs (on CPU), with the layers' module names."""
+def run_reference(directory: str, prompts: Prompts, dtype: torch.dtype,
+                  noise_dtype: Optional[torch.dtype] = None) -> tuple[dict, Optional[dict], list[str]]:
+    """transformers' logits and decoder-layer outputs (on CPU) in `dtype`; with `noise_dtype`,
+    again with the model cast to it in place (the tolerances' measure); the layers' module names.
+    transformers failing raises ReferenceFailed."""
+    with reference_failures(directory, "to load"):
+        model = load_reference(directory, dtype)
+    names, layers = decoder_layers(model)
+    with reference_failures(directory, f"in {str(dtype).removeprefix('torch.')}"):
+        ref = _forward(model, layers, prompts)
+    if noise_dtype is None:
+        return ref, None, names
+    other = str(noise_dtype).removeprefix("torch.")
+    with reference_failures(directory, f"in {other} (the second run, which measures its own rounding "
+                                       f"for the tolerances; a --tolerance skips it)"):
+        noisy = _forward(model.to(noise_dtype), layers, prompts)
+    return ref, noisy, names
+
+
+def load_reference(directory: str, dtype: torch.dtype):
+    """AutoModelForCausalLM of `directory`, experts run eagerly where transformers can switch:
+    its default on CPU, torch's grouped_mm, refuses odd widths ("strides should be multiple of
+    16 bytes", a Mixtral with 97-wide experts) and float64."""
     import transformers
     from packaging.version import Version
 
     # transformers 4.56 renamed torch_dtype to dtype (5 defaults to the checkpoint's dtype)
-    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **{key: dtype})
-    model.eval()
-    names, layers = decoder_layers(model)
+    options = {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
+    if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
+        options["experts_implementation"] = "eager"
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **options)
+    return model.eval()
+
+
+def _forward(model, layers: list, prompts: Prompts) -> dict:
     kept: dict[int, torch.Tensor] = {}
     handles = [layer.register_forward_hook(_keep_output(kept, i)) for i, layer in enumerate(layers)]
     try:
         with torch.no_grad():
-            logits = model(input_ids=prompts.tokens).logits.float()
+            logits = model(input_ids=prompts.tokens).logits
     finally:
         for handle in handles:
             handle.remove()
-    return {"logits": logits, "layers": kept}, names
+    return {"logits": _widened(logits), "layers": kept}
 
 
 def _keep_output(kept: dict, index: int):
     def keep(module, args, output):
         hidden = output[0] if isinstance(output, (tuple, list)) else output
-        kept[index] = hidden.detach().float()
+        kept[index] = _widened(hidden.detach())
     return keep
+
+
+def _widened(tensor: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 kept as it is (a float64 run measures float32's rounding)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
+@contextmanager
+def reference_failures(directory: str, what: str):
+    """transformers raising inside the block as one ReferenceFailed naming the directory, the
+    error and where it was raised."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - anything transformers or torch raise
+        import transformers
+
+        message = (str(error).strip().splitlines() or [""])[0][:300]
+        raise ReferenceFailed(
+            f"--reference={directory}: transformers {transformers.__version__} failed {what}: "
+            f"{type(error).__name__}: {message} (at {_where(error)}). Our model ran; nothing was "
+            f"compared: this is not a mismatch."
+        ) from error
+
+
+def _where(error: BaseException) -> str:
+    """file:line of the innermost frame, from the package directory on."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "?"
+    path = frames[-1].filename
+    return f"{path.split('site-packages/')[-1]}:{frames[-1].lineno}"
 
 
 def decoder_layers(model) -> tuple[list[str], list]:
@@ -360,34 +489,67 @@ def check_directory(option: str, path: str) -> None:
                           f"directory (as written by save_pretrained).")
 
 
+# Weights files transformers reads besides safetensors (with weights_only, never a plain unpickle)
+TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_weights(option: str, directory: str, torch_files: bool = False) -> None:
+    """Every safetensors file of `directory` is there with a complete header (a truncated
+    download), found before any rank starts; `torch_files`: transformers' .bin files will do."""
+    from lightning_mcore.hf.checkpoint import INDEX, SINGLE, CheckpointError, open_safetensors, weight_map
+
+    path = Path(directory)
+    safetensors = (path / SINGLE).is_file() or (path / INDEX).is_file()
+    if torch_files and not safetensors and any((path / f).is_file() for f in TORCH_WEIGHTS):
+        return
+    if torch_files and not safetensors:
+        raise VerifyError(f"{option}={directory} has no weights ({SINGLE}, {INDEX} or "
+                          f"{' or '.join(TORCH_WEIGHTS)}): transformers cannot load it.")
+    try:
+        for file in sorted(set(weight_map(path).values())):
+            with open_safetensors(file):
+                pass
+    except CheckpointError as error:
+        raise VerifyError(f"{option}={directory}: {error}") from error
+
+
 def load_module(model: str):
-    """PretrainModule of the HF directory; its refusals (unsupported architecture or field)
-    as a VerifyError."""
+    """PretrainModule of the HF directory, its weights files checked; its refusals
+    (unsupported architecture or field) as a VerifyError."""
     from lightning_mcore import PretrainModule
     from lightning_mcore.refusals import deliberate
 
     check_directory("--model", model)
     try:
-        return PretrainModule(model)
+        module = PretrainModule(model)
     except (ValueError, TypeError, OSError) as error:
         if not deliberate(error):
             raise
         raise VerifyError(f"--model={model}: {error}") from error
+    if module.init_checkpoint is None:  # an HF directory, read by the ranks
+        check_weights("--model", model)
+    return module
 
 
-def check_reference(reference: str, vocab: int) -> None:
+def check_reference(reference: str, model_config) -> None:
+    """A directory transformers can load whose outputs can be set beside the model's: the same
+    vocabulary, width and depth; its weights files checked."""
     from transformers import AutoConfig
 
     check_directory("--reference", reference)
     try:
-        config = AutoConfig.from_pretrained(reference, local_files_only=True)
+        config = AutoConfig.from_pretrained(reference, local_files_only=True).get_text_config()
     except (ValueError, OSError, KeyError) as error:
         raise VerifyError(f"--reference={reference}: transformers cannot read its config.json: "
                           f"{error}") from error
-    theirs = config.get_text_config().vocab_size
-    if theirs != vocab:
-        raise VerifyError(f"--reference={reference} has vocab_size={theirs}, the model {vocab}: "
-                          f"their logits cannot be compared.")
+    for theirs, ours, what in (("vocab_size", "vocab_size", "their logits"),
+                               ("hidden_size", "hidden_size", "their hidden states"),
+                               ("num_hidden_layers", "num_layers", "their layers")):
+        value, expected = getattr(config, theirs, None), getattr(model_config, ours)
+        if value is not None and value != expected:
+            raise VerifyError(f"--reference={reference} has {theirs}={value}, the model {expected}: "
+                              f"{what} cannot be compared.")
+    check_weights("--reference", reference, torch_files=True)
 
 
 def build_trainer(layout: Layout, module, capture: CaptureLayers) -> L.Trainer:
@@ -433,19 +595,20 @@ def verify(model: str, reference: Optional[str] = None, layout: Layout = Layout(
     """Compare our model of the HF directory `model`, run at `layout`, with transformers' model
     of `reference` (default: the same directory). Returns the Report in the launching process
     (None in the ranks a `popen` launch starts by re-running the command); raises VerifyError
-    on a mistake found before any rank starts."""
+    on a mistake found before any rank starts, ReferenceFailed where transformers fails."""
     reference = reference or model
-    if layout.dtype_name not in TOLERANCE:
+    if layout.dtype_name not in PRECISIONS:
         raise VerifyError(f"--precision={layout.precision}: use one of {', '.join(PRECISIONS)}.")
     if reference_dtype not in REFERENCE_DTYPES:
         raise VerifyError(f"--reference_dtype={reference_dtype}: use one of {', '.join(REFERENCE_DTYPES)}.")
+    if tolerance is not None and not tolerance > 0:
+        raise VerifyError(f"--tolerance={tolerance:g}: no difference is at most that; give a positive "
+                          f"number, or leave it out for tolerances measured on the reference.")
     module = load_module(model)
     cfg = module.model_config
     use_te = cfg.uses_te(layout.accelerator)
-    if tolerance is None:
-        tf32 = use_te and layout.dtype_name == "32-true"
-        tolerance = TF32_TOLERANCE if tf32 else TOLERANCE[layout.dtype_name]
-    check_reference(reference, cfg.vocab_size)
+    rule = tolerance_rule(layout.dtype_name, use_te, reference_dtype, tolerance)
+    check_reference(reference, cfg)
     multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
     rows = build_prompts(prompts, [model, reference], cfg.vocab_size, cfg.seq_length, multiple)
     with tempfile.TemporaryDirectory(prefix="lightning-mcore-verify-") as out:
@@ -455,16 +618,22 @@ def verify(model: str, reference: Optional[str] = None, layout: Layout = Layout(
     if ours is None:
         return None
     del module, trainer
-    ref, names = run_reference(reference, rows, REFERENCE_DTYPES[reference_dtype])
-    found = compare(ours, ref, rows, tolerance, names)
+    ref, noisy, names = run_reference(reference, rows, REFERENCE_DTYPES[reference_dtype], rule.noise_dtype)
+    found = compare(ours, ref, noisy, rows, rule, names)
     return Report(model=model, reference=reference, layout=layout.describe(use_te), prompts=rows.source,
                   **found)
+
+
+EXIT_CODES = (f"Exit codes: 0 pass; {MISMATCH_EXIT} a difference past the tolerance (or a failure in our "
+              f"model's ranks); {USAGE_EXIT} a mistake in the command or files, found before any rank "
+              f"starts; {REFERENCE_FAILED_EXIT} transformers' reference failed to load or run.")
 
 
 def main(args=None) -> None:
     from jsonargparse import ActionYesNo, ArgumentParser
 
-    parser = ArgumentParser(prog="lightning-mcore verify", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="lightning-mcore verify", description=__doc__.split("\n")[0],
+                            epilog=EXIT_CODES)
     parser.add_argument("--model", type=str, required=True,
                         help="the Hugging Face directory to load into our model")
     parser.add_argument("--reference", type=Optional[str], default=None,
@@ -481,11 +650,15 @@ def main(args=None) -> None:
                         help=f"our model's precision, one of {', '.join(PRECISIONS)} (default: 32-true on "
                              f"cpu, bf16-mixed on gpu)")
     parser.add_argument("--tolerance", type=Optional[float], default=None,
-                        help="largest relative difference that passes: max|ours - ref| / max(1, max|ref|) "
-                             "over one position's logits or hidden state, the largest over positions "
-                             "(default: " + ", ".join(f"{v:g} at {k}" for k, v in TOLERANCE.items())
-                             + f", {TF32_TOLERANCE:g} at 32-true with Transformer Engine, whose fp32 "
-                               f"GEMMs use TF32)")
+                        help="largest relative difference that passes, for the logits and every layer's "
+                             "output: max|ours - ref| / max(1, max|ref|) over one position, the largest "
+                             "over positions. Default: measured on the reference, which runs a second "
+                             "time: at 32-true %gx its float32 vs float64 difference, at least %g (%g "
+                             "with Transformer Engine, whose fp32 GEMMs use TF32); at bf16-mixed or "
+                             "with a bfloat16 reference %gx its bfloat16 vs float32 difference, at "
+                             "least %g. A given tolerance skips the second run (float64 doubles the "
+                             "reference's memory)" % (FP32_RULE[1], FP32_RULE[0], TF32_RULE[0],
+                                                       BF16_RULE[1], BF16_RULE[0]))
     parser.add_argument("--prompts", type=str, default=None, nargs="+",
                         help="text prompts (need a tokenizer in --model or --reference); default: a few "
                              "fixed texts, or fixed token ids where there is no tokenizer")
@@ -500,30 +673,33 @@ def main(args=None) -> None:
         report = verify(config.model, config.reference, layout, config.tolerance, config.prompts,
                         config.reference_dtype)
     except VerifyError as error:
-        _error(str(error))
+        _error(str(error), USAGE_EXIT)
+    except ReferenceFailed as error:
+        _error(str(error), REFERENCE_FAILED_EXIT)
     if report is None:
         return
     print(f"lightning-mcore verify\n{report.table()}")
     print(_json_line(report))
     sys.stdout.flush()
     if not report.passed:
-        raise SystemExit(1)
+        raise SystemExit(MISMATCH_EXIT)
 
 
 def _json_line(report: Report) -> str:
     import json
 
     def finite(x):
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
         return x if not isinstance(x, float) or math.isfinite(x) else None
 
-    fields = {k: finite(v) for k, v in asdict(report).items() if k != "layer_diffs"}
-    fields["layer_diffs"] = {k: finite(v) for k, v in report.layer_diffs.items()}
+    fields = {k: finite(v) for k, v in asdict(report).items()}
     return json.dumps({"verify": "pass" if report.passed else "fail", **fields})
 
 
-def _error(message: str) -> NoReturn:
+def _error(message: str, code: int) -> NoReturn:
     print(f"lightning-mcore verify: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
