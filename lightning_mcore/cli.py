@@ -182,12 +182,15 @@ class MegatronCLI(LightningCLI):
 
     def _check_seq_length(self, module: MegatronModule) -> None:
         data = getattr(getattr(self, "datamodule", None), "hparams", None) or {}
-        rows, model = data.get("seq_length"), module.model_config.seq_length
+        # prompt data (GRPO's) sets its rows' length as max_prompt_length
+        option = "max_prompt_length" if "max_prompt_length" in data else "seq_length"
+        rows, model = data.get(option), module.model_config.seq_length
         if isinstance(rows, int) and rows > model:
+            self._check_prompt_room(module)  # a module that generates: what must fit besides
             self._error(
-                f"data.init_args.seq_length={rows} is longer than the model's seq_length "
+                f"data.init_args.{option}={rows} is longer than the model's seq_length "
                 f"({self._model_key('seq_length', model)}): rows longer than the model are not "
-                f"computed as configured. Set data.init_args.seq_length <= {model}, or raise the "
+                f"computed as configured. Set data.init_args.{option} <= {model}, or raise the "
                 f"model's seq_length (model.init_args.model_overrides.seq_length for an HF model)."
             )
 
