@@ -57,7 +57,8 @@ import torch.distributed as dist
 # bf16 is 0.002-0.03 off its fp32 logits (0.001-0.005 at the last layer), Gemma 3's 0.096 (0.106),
 # and our bf16 runs came within 1.13x of that on GPU (benchmarks/RESULTS.md, issue 18: logits
 # 0.002-0.028, Gemma 3 0.108) and 1.4x on CPU (local spec, Gemma 3's second layer: 0.097 against
-# 0.070). Hence 2x, at least 0.1: a broken mapping (garbled heads, a wrong rotary layout in a
+# 0.070). Hence 2x, at least 0.1, which leaves room for depth (bf16 layer outputs grow ~4e-3 x
+# sqrt(layer): 4e-2 at 80 layers): a broken mapping (garbled heads, a wrong rotary layout in a
 # trained model) lands far above it; a single corrupted weight does not, and is the fp32 run's
 # to catch. fp32 with Transformer Engine (GPU, --precision 32-true): TE runs fp32 GEMMs in
 # TF32 (10-bit mantissa, a quarter of bf16's rounding), hence a floor of a quarter of bf16's.
