@@ -160,6 +160,29 @@ def test_kto_data_of_one_kind_is_refused_before_launch(capsys, tmp_path, desirab
     assert "desirable (label true) and undesirable (label false)" in line, line
 
 
+@pytest.mark.parametrize("form", ["parquet", "saved", "json_array"])
+def test_kto_data_of_one_kind_is_refused_in_every_file_form(tmp_path, form):
+    import datasets
+
+    from lightning_mcore.data import KTODataModule
+
+    records = [dict(r, thumbs_up=r.pop("label")) for r in kto_records() if not r["label"]]
+    table = datasets.Dataset.from_list(records)
+    path = {"parquet": tmp_path / "kto.parquet", "saved": tmp_path / "kto", "json_array": tmp_path / "kto.json"}[form]
+    if form == "parquet":
+        table.to_parquet(str(path))
+    elif form == "saved":
+        table.save_to_disk(str(path))
+    else:
+        path.write_text(json.dumps(records))
+    with pytest.raises(ValueError, match=f"{path}: .*only undesirable examples \\({len(records)}\\)"):
+        KTODataModule(str(path), TOKENIZER, 256, columns={"label": "thumbs_up"}, chat_template="chatml")
+    mixed = [dict(r, thumbs_up=r.pop("label")) for r in kto_records()]
+    datasets.Dataset.from_list(mixed).to_parquet(str(tmp_path / "mixed.parquet"))
+    KTODataModule(str(tmp_path / "mixed.parquet"), TOKENIZER, 256, columns={"label": "thumbs_up"},
+                  chat_template="chatml")
+
+
 def test_kto_training_split_of_one_kind_is_refused_at_setup(tmp_path):
     """Undesirable completions too long for the rows are dropped: what is left is one kind."""
     from lightning_mcore.data import KTODataModule

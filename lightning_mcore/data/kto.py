@@ -48,6 +48,42 @@ FIELDS = ("prompt", "completion", "label", "role", "content")
 REQUIRED = {"prompt": "prompts", "completion": "completions", "label": "true/false labels"}
 MISMATCHED = "__kto_mismatched_completion"  # the next record's completion, added before tokenizing
 EMPTY, EMPTY_MISMATCHED = "empty completion", "empty mismatched completion"
+# With one kind the loss only pushes every reward one way from z0, and the other kind's metrics
+# (rewards/rejected or rewards/chosen) are logged as 0.0 for examples never seen; trl's
+# KTOTrainer refuses such data too.
+BOTH_KINDS = "KTO needs both desirable (label true) and undesirable (label false) examples"
+
+
+def one_kind(labels: Sequence[bool]) -> Optional[str]:
+    """"desirable" or "undesirable" when every one of `labels` is that kind; None when both
+    kinds are there (or there are none)."""
+    kinds = {bool(v) for v in labels}
+    return None if len(kinds) != 1 else "desirable" if kinds.pop() else "undesirable"
+
+
+def refuse_one_kind(paths: Sequence[str], label: str) -> None:
+    """Refuse data whose labels are all of one kind. The files are read label by label until
+    both kinds have turned up, which in mixed data is within the first records; a file that
+    cannot be read cheaply (a large JSON array) is left to setup's check."""
+    labels, files = [], []
+    try:
+        for file in peek.data_files(paths):
+            values = peek.column_values(file, label)
+            if values is None:
+                return
+            files.append(file)
+            for value in values:
+                if isinstance(value, bool):
+                    labels.append(value)
+                if len(labels) > 1 and labels[-1] != labels[0]:
+                    return
+    except ValueError:  # a line further down that is not JSON: tokenizing names it
+        return
+    kind = one_kind(labels)
+    if kind is not None:
+        other = "undesirable" if kind == "desirable" else "desirable"
+        raise ValueError(f"{', '.join(files)}: {BOTH_KINDS}, but {'it holds' if len(files) == 1 else 'they hold'} "
+                         f"only {kind} examples ({len(labels)}): add {other} ones.")
 
 
 @dataclass(frozen=True)
@@ -148,6 +184,9 @@ class KTODataModule(DataParallelDataModule):
         num_proc: processes for tokenizing with ``datasets.map``.
         cache_dir: ``datasets`` cache directory (its default when None).
 
+    Data of one kind only (every label true, or every one false) is refused, here and again
+    for the training examples left after dropping and the validation split.
+
     Examples that cannot be trained on are dropped and counted, never cut: an empty completion
     (or an empty mismatched one), a prompt longer than ``S``, or a row longer than ``S``. After
     ``setup``, ``stats`` holds the counts by reason and per split the examples (desirable ones
@@ -176,6 +215,7 @@ class KTODataModule(DataParallelDataModule):
         self.stats: dict[str, Any] = {}
         check_template(self, chat_template)
         peek.check_records(self.paths, lambda names: UnpairedFormat.detect(names, columns, roles).read)
+        refuse_one_kind(self.paths, (columns or {}).get("label", "label"))
 
     def prepare_data(self) -> None:
         """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
@@ -221,6 +261,13 @@ class KTODataModule(DataParallelDataModule):
         self.stats = {"examples": len(lengths), "dropped": dict(dropped)}
         train, val = split_samples(keep.tolist(), hp.val_split, hp.seed, "examples")
         labels = numbers["label"][::2].astype(bool)
+        kind = one_kind(labels[train].tolist())
+        if kind is not None:
+            raise ValueError(
+                f"{', '.join(self.paths)}: {BOTH_KINDS}, but only {kind} examples ({len(train)}) are "
+                f"left for training (of {len(lengths)}; dropped: {dict(dropped)}; seq_length="
+                f"{hp.seq_length}; val_split={hp.val_split}): add examples of the other kind, or "
+                f"raise seq_length if they were dropped for their length.")
         self.train_dataset = self._rows("train", tokenized, train, lengths, labels)
         self.val_dataset = self._rows("val", tokenized, val, lengths, labels) if val else None
         _log_stats(self.stats, hp.seq_length)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lightning_mcore.data import preprocess
 
@@ -128,6 +128,16 @@ def _parquet_records(path: str, count: int) -> tuple[list[str], list[dict]]:
 
 
 def _saved_records(path: str, count: int) -> Optional[tuple[list[str], list[dict]]]:
+    loaded = _saved_dataset(path)
+    if loaded is None:
+        return None
+    rows = loaded.select(range(min(count, len(loaded))))
+    return list(loaded.column_names), [dict(row) for row in rows]
+
+
+def _saved_dataset(path: str) -> Any:
+    """The (train split of the) ``save_to_disk`` dataset at `path`, memory-mapped; None where
+    it cannot be loaded (load_records says why)."""
     import datasets
 
     try:
@@ -135,28 +145,60 @@ def _saved_records(path: str, count: int) -> Optional[tuple[list[str], list[dict
     except Exception:  # noqa: BLE001 - not ours to judge here: load_records says why
         return None
     if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            return None
-        loaded = loaded["train"]
-    rows = loaded.select(range(min(count, len(loaded))))
-    return list(loaded.column_names), [dict(row) for row in rows]
+        return loaded["train"] if "train" in loaded else None
+    return loaded
 
 
 def records_of(paths: Sequence[str]) -> list[tuple[str, list[str], list[dict]]]:
     """(file, columns, first records) for each data path (globs expanded), leaving out what
     cannot be read cheaply; an empty file is refused here, naming it."""
     out = []
-    for path in paths:
-        files = [path] if os.path.isdir(os.path.expanduser(path)) else preprocess.resolve_files(path)
-        for file in files:
-            found = first_records(file)
-            if found is None:
-                continue
-            columns, records = found
-            if not records:
-                raise ValueError(f"{file!r} holds no records (it is empty)")
-            out.append((file, columns, records))
+    for file in data_files(paths):
+        found = first_records(file)
+        if found is None:
+            continue
+        columns, records = found
+        if not records:
+            raise ValueError(f"{file!r} holds no records (it is empty)")
+        out.append((file, columns, records))
     return out
+
+
+def data_files(paths: Sequence[str]) -> list[str]:
+    """The files (globs expanded) and saved dataset directories of data paths, in order."""
+    return [file for path in paths for file in
+            ([path] if os.path.isdir(os.path.expanduser(path)) else preprocess.resolve_files(path))]
+
+
+def column_values(path: str, column: str) -> Optional[Iterator[Any]]:
+    """Every record's `column` value (None where a record lacks it) of a data file or saved
+    dataset directory, read as they are taken: a caller that stops early reads no further.
+    None where that cannot be done cheaply (a large JSON array, a missing column)."""
+    if os.path.isdir(os.path.expanduser(path)):
+        loaded = _saved_dataset(os.path.expanduser(path))
+        return iter(loaded[column]) if loaded is not None and column in loaded.column_names else None
+    if preprocess.BUILDERS[os.path.splitext(path)[1].lower()] == "parquet":
+        import pyarrow.parquet as pq
+
+        file = pq.ParquetFile(path)
+        if column not in file.schema_arrow.names:
+            return None
+        return (v for batch in file.iter_batches(columns=[column]) for v in batch.column(0).to_pylist())
+    with open(path, encoding="utf-8") as file:
+        array = file.read(4096).lstrip().startswith("[")
+    if array:  # every record (there are fewer than bytes), if the array is small enough
+        records = _read_json(path, os.path.getsize(path))
+        return None if records is None else (r.get(column) if isinstance(r, dict) else None for r in records)
+    return (r.get(column) if isinstance(r, dict) else None for r in _line_records(path))
+
+
+def _line_records(path: str) -> Iterator[Any]:
+    """Each non-blank line of a JSON-lines file, parsed as it is reached (json's ValueError on
+    one that is not JSON)."""
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            if line.strip():
+                yield json.loads(line)
 
 
 def check_records(paths: Sequence[str], reader: Callable[[list[str]], Callable[[dict, int], Any]]) -> None:
