@@ -5,7 +5,8 @@ come faster than it writes. argv: tmp dir, mode:
   "slow"              finish normally (or be signalled by the test);
   "freeze-writing"    the writer of the 7th save freezes mid-write (`<tmp>/frozen` appears);
   "freeze-publishing" the 2nd publication of fast/last.ckpt freezes before its rename, its
-                      shards and metadata complete in the temporary directory.
+                      shards and metadata complete in the temporary directory;
+  "slurm"             one rank (a single SLURM task: the test sets SLURM's environment).
 Each writer call appends a line to `<tmp>/writes` before it writes."""
 
 import sys
@@ -51,5 +52,5 @@ original_writer = FileSystemWriterAsync.write_preloaded_data_multiproc
 FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow_writer)
 original_replace, checkpoint_io.replace_dir = checkpoint_io.replace_dir, replace_dir
 fast = ModelCheckpoint(dirpath=tmp / "fast", every_n_train_steps=1, save_top_k=1, save_last=True)
-fit_with_checkpoints(tmp, "run", devices=2, start_method="popen", tensor_model_parallel_size=1,
+fit_with_checkpoints(tmp, "run", devices=1 if mode == "slurm" else 2, start_method="popen", tensor_model_parallel_size=1,
                      checkpoint=CheckpointOptions(async_save=True), callbacks=(fast,))

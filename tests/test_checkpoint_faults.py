@@ -25,11 +25,12 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.distributed
 
 
-def start(tmp: Path, mode: str) -> subprocess.Popen:
+def start(tmp: Path, mode: str, **env) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
     return subprocess.Popen([sys.executable, str(HERE / "async_save_run.py"), str(tmp), mode], env=env,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def wait_for(child: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
@@ -55,14 +56,14 @@ def group_gone(pgid: int, timeout: float = 60) -> bool:
     return False
 
 
-def complete_step(ckpt: Path) -> int:
+def complete_step(ckpt: Path, ranks: int = 2) -> int:
     """The global step of a complete checkpoint; fails on a partial one."""
     step = load_plain(ckpt / "common.pt")["global_step"]
     metadata = read_dcp_metadata(ckpt / "weights" / ".metadata")
     for info in metadata.storage_data.values():
         shard = ckpt / "weights" / info.relative_path
         assert shard.is_file() and shard.stat().st_size >= info.offset + info.length, (ckpt, info)
-    assert (ckpt / "rng_0.pt").is_file() and (ckpt / "rng_1.pt").is_file(), ckpt
+    assert all((ckpt / f"rng_{rank}.pt").is_file() for rank in range(ranks)), ckpt
     return step
 
 
@@ -124,3 +125,25 @@ def test_sigterm_during_an_async_save(tmp_path, target):
     fast = {p: s for p, s in ckpts.items() if p.parent.name == "fast"}
     assert fast[tmp_path / "fast" / "last.ckpt"] == max(fast.values()) < 6
     assert not list(tmp_path.glob("*/.tmp-*")), "a save in flight was left unfinished"
+
+
+def test_slurm_requeue_signal(tmp_path):
+    """SLURM's requeue signal (SIGUSR1) mid-run, one SLURM task: hpc_ckpt_1.ckpt is saved in the
+    run's root directory (where Lightning looks when the job starts again) and the job is
+    requeued with `scontrol requeue JOB` (a stand-in scontrol records its arguments); the run
+    goes on to its end."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.log'}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1", SLURM_NODEID="0",
+                 SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train.sbatch",
+                 SLURM_NODELIST="localhost", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    child = start(tmp_path, "slurm", **slurm)
+    wait_for(child, lambda: writes(tmp_path) >= 2, "the second save")
+    child.send_signal(signal.SIGUSR1)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err[-3000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    step = complete_step(tmp_path / "hpc_ckpt_1.ckpt", ranks=1)
+    assert 1 <= step < 6
