@@ -7,22 +7,42 @@ shard, a text too short for one sequence) would print one traceback per rank; in
 prints one `error:` line, stops the ranks it started and exits 1. The other ranks stay quiet and
 wait for that; one whose refusal rank 0 never meets (rank 0 waits for it in a collective)
 reports it itself after REPORT_GRACE_S. A bug keeps its traceback.
+
+Reported the same way: a RunFailure (a NaN loss: the run cannot go on, though nothing is wrong
+with the command) and a write the disk refuses (full, read-only, not permitted: `write_failure`
+names the path), which torch and mcore raise as errors of their own, not ours.
 """
 
 from __future__ import annotations
 
+import errno
 import linecache
 import os
+import shutil
 import signal
 import sys
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # How long a rank other than 0 that refused waits for rank 0 to report and stop it.
 REPORT_GRACE_S = 10.0
 REFUSED_EXIT = 3  # the exit code of a rank other than 0 that reported a refusal itself
-REFUSAL_TYPES = (ValueError, TypeError, OSError, NotImplementedError)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+# torch's zip writer (inline_container.cc) when a write comes back short, with no errno
+SHORT_WRITE = "unexpected pos"
+# below this much free space a short write means a full disk
+FULL_BELOW_BYTES = 64 * 2**20
+
+
+class RunFailure(Exception):
+    """Base of this library's errors for a run that cannot go on though the command is right
+    (a NaN loss): reported like a refusal, one line from rank 0."""
+
+
+REFUSAL_TYPES = (ValueError, TypeError, OSError, NotImplementedError, RunFailure)
 
 
 def traceback_frames(error: BaseException) -> list:
@@ -46,22 +66,110 @@ def deliberate(error: BaseException) -> bool:
 
 def report_refusals(trainer: Any, run: Callable, **kwargs: Any) -> None:
     """`run(**kwargs)` (trainer.fit, ...), a refusal inside it reported as described above."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     try:
         run(**kwargs)
-    except Exception as error:  # noqa: BLE001 - re-raised unless a refusal
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised unless a refusal
         rank, launcher = trainer.global_rank, trainer.strategy.launcher
-        if not (isinstance(error, REFUSAL_TYPES) and deliberate(error)):
+        message = refusal_message(error, trainer)
+        if message is None:
             if rank == 0 and _another_rank_refused(launcher):
                 raise SystemExit(1) from None  # that rank's `error:` line says why; this follows
+            if rank != 0 and isinstance(error, CheckpointException):
+                time.sleep(REPORT_GRACE_S)  # every rank meets a failed save: rank 0 names the cause
             raise
         if rank == 0:
             if launcher is not None:  # the ranks it started would only repeat the message
                 launcher.kill(signal.SIGKILL)
-            _print_error(str(error))  # the library's messages name the file at fault
+            _print_error(message)  # the library's messages name the file at fault
             raise SystemExit(1) from None
         time.sleep(REPORT_GRACE_S)  # rank 0 meets the same refusal, reports it and stops us
-        _print_error(f"(rank {rank}) {error}")
+        _print_error(f"(rank {rank}) {message}")
         raise SystemExit(REFUSED_EXIT) from None
+
+
+def refusal_message(error: BaseException, trainer: Any = None) -> Optional[str]:
+    """The one line that reports `error` (a refusal or a write the disk refused), None for a bug."""
+    if isinstance(error, REFUSAL_TYPES) and deliberate(error):
+        return str(error)
+    return write_failure(error, trainer)
+
+
+def write_failure(error: BaseException, trainer: Any = None) -> Optional[str]:
+    """What a write the disk refused (full, read-only, not permitted) says, naming the path:
+    the error's own file name, else the checkpoint being saved, else the checkpoint directories.
+    None for any other error."""
+    for cause in _causes(error):
+        code = _write_errno(cause)
+        if code is None:
+            continue
+        path = getattr(cause, "filename", None) or _saving(error) or _checkpoint_dir(trainer)
+        free = _free_bytes(path)
+        on_disk = f"; {free} bytes free on it" if free >= 0 else ""
+        if code in DISK_FULL or (code == 0 and 0 <= free < FULL_BELOW_BYTES):
+            return (f"cannot write {path}: the disk is full ({os.strerror(errno.ENOSPC)}{on_disk}). "
+                    f"Free space there or write the checkpoints elsewhere (ModelCheckpoint's dirpath).")
+        if code == 0:
+            return f"cannot write {path}: a write came back short ({cause}{on_disk}): the disk may be failing."
+        return (f"cannot write {path}: {os.strerror(code)}. Make it writable or write the "
+                f"checkpoints elsewhere (ModelCheckpoint's dirpath).")
+    return None
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """`error`, the errors it was raised from, and those of each rank a torch distributed
+    checkpoint error (CheckpointException) carries."""
+    seen, todo = set(), [error]
+    while todo:
+        error = todo.pop(0)
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        yield error
+        todo += [error.__cause__, error.__context__]
+        todo += [failure[0] for failure in (getattr(error, "failures", None) or {}).values()]
+
+
+def _write_errno(error: BaseException) -> Optional[int]:
+    """The errno of a refused write (0: torch's short write, which has none), or None. mcore's
+    save workers pass on only the text of their OSError (`Worker failure: [Errno 28] ...`)."""
+    codes = DISK_FULL + NOT_WRITABLE
+    if isinstance(error, OSError) and error.errno in codes:
+        return error.errno
+    text = str(error) if isinstance(error, Exception) else ""
+    found = [code for code in codes if f"[Errno {code}]" in text]
+    if found:
+        return found[0]
+    return 0 if isinstance(error, RuntimeError) and SHORT_WRITE in text else None
+
+
+def _saving(error: BaseException) -> Optional[str]:
+    """The checkpoint being saved when `error` was raised: `filepath` of the innermost
+    save_checkpoint (Trainer's, the strategy's) in its traceback."""
+    for frame, _ in reversed(traceback_frames(error)):
+        if frame.f_code.co_name == "save_checkpoint" and "filepath" in frame.f_locals:
+            return str(frame.f_locals["filepath"])
+    return None
+
+
+def _checkpoint_dir(trainer: Any) -> Optional[str]:
+    """The directory of the trainer's (first) ModelCheckpoint."""
+    dirs = [c.dirpath for c in getattr(trainer, "checkpoint_callbacks", None) or [] if getattr(c, "dirpath", None)]
+    return str(dirs[0]) if dirs else None
+
+
+def _free_bytes(path: Optional[str]) -> int:
+    """Free space on the filesystem of `path` (its nearest existing parent); -1 if unknown."""
+    if path is None:
+        return -1
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        return shutil.disk_usage(existing).free
+    except OSError:
+        return -1
 
 
 def _print_error(message: str) -> None:

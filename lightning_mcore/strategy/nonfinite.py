@@ -16,9 +16,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from lightning_mcore.refusals import RunFailure
 
-class NonFiniteError(RuntimeError):
-    """A loss or gradient norm is NaN/inf, or weights about to be written hold NaN/inf."""
+
+class NonFiniteError(RunFailure, RuntimeError):
+    """A loss or gradient norm is NaN/inf, or weights about to be written hold NaN/inf: the
+    CLI reports it as one `error:` line from rank 0 (refusals.py), not a traceback per rank."""
 
 
 def step_message(what: str, value: float, step: int, lr: float, skipped: bool, applied: bool = False) -> str:
