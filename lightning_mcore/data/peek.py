@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import IO, Any, Callable, Iterator, Optional, Sequence
 
 from lightning_mcore.data import preprocess
 
@@ -96,21 +96,45 @@ def _read_json(path: str, count: int) -> Optional[list]:
         else:
             file.seek(0)
             records = []
-            for number, line in enumerate(file, 1):
-                if len(records) >= count:
-                    break
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    if not path.lower().endswith(".jsonl"):
-                        return None  # a .json file may hold one object over many lines
-                    raise ValueError(
-                        f"{path!r} line {number} is not valid JSON ({err}); a .jsonl file holds "
-                        "one JSON object per line"
-                    ) from None
+            try:
+                for _, record in json_lines(path, file):
+                    records.append(record)
+                    if len(records) >= count:
+                        break
+            except ValueError:
+                if not path.lower().endswith(".jsonl"):
+                    return None  # a .json file may hold one object over many lines
+                raise
     return records
+
+
+def json_lines(path: str, file: Optional[IO[str]] = None) -> Iterator[tuple[int, Any]]:
+    """(line number, record) of each line of a JSON-lines file (blank lines skipped), one at a
+    time; a line that is not JSON refused naming the file and its line number."""
+    if file is None:
+        with open(path, encoding="utf-8") as opened:
+            yield from json_lines(path, opened)
+        return
+    for number, line in enumerate(file, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path!r} line {number} is not valid JSON ({err}); a .jsonl file holds "
+                "one JSON object per line"
+            ) from None
+        yield number, record
+
+
+def check_json_lines(path: str) -> None:
+    """Read a whole JSON-lines file (not only its first records), refusing its first line that
+    is not JSON (json_lines) or not a JSON object."""
+    for number, record in json_lines(path):
+        if not isinstance(record, dict):
+            raise ValueError(f"{path!r} line {number} is a JSON {type(record).__name__}, not an "
+                             "object; a .jsonl file holds one JSON object per line")
 
 
 def _parquet_records(path: str, count: int) -> tuple[list[str], list[dict]]:

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import sys
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 
@@ -69,13 +69,9 @@ def load_documents(files: Sequence[str], text_field: str = "text", cache_dir: Op
     parts = []
     for builder, group in _runs_of_same_builder(files):
         if builder == "text":
-            part = datasets.load_dataset(
-                "text", data_files=group, sample_by="paragraph", split="train", cache_dir=cache_dir
-            )
+            part = load_files("text", group, cache_dir, sample_by="paragraph")
         else:
-            part = datasets.load_dataset(
-                builder, data_files=group, split="train", cache_dir=cache_dir
-            )
+            part = load_files(builder, group, cache_dir)
             if text_field not in part.column_names:
                 raise ValueError(
                     f"field {text_field!r} not found in {', '.join(group)}; "
@@ -86,6 +82,24 @@ def load_documents(files: Sequence[str], text_field: str = "text", cache_dir: Op
                 part = part.rename_column(text_field, "text")
         parts.append(part)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def load_files(builder: str, files: Sequence[str], cache_dir: Optional[str] = None, **options):
+    """``datasets.load_dataset`` of files of one builder as one split. A JSON-lines file it
+    cannot parse is refused naming the file and the line, which datasets' error does not."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(builder, data_files=list(files), split="train",
+                                     cache_dir=cache_dir, **options)
+    except Exception:  # noqa: BLE001 - re-raised unless a line of the file is at fault
+        if builder == "json":
+            from lightning_mcore.data import peek
+
+            for file in files:
+                if file.lower().endswith(".jsonl"):
+                    peek.check_json_lines(file)
+        raise
 
 
 def _runs_of_same_builder(files: Sequence[str]) -> Iterable[tuple[str, list[str]]]:
@@ -208,6 +222,29 @@ def refuse_existing(output_prefix: str, overwrite: bool) -> None:
                               f"to replace {' and '.join(existing)}, or choose another prefix.")
 
 
+def _check_text_fields(files: Sequence[str], text_field: str) -> None:
+    """Refuse a jsonl/json/parquet file whose first records lack `text_field`, before any work."""
+    from lightning_mcore.data import peek
+
+    for file in files:
+        if BUILDERS[os.path.splitext(file)[1].lower()] != "text":
+            try:
+                peek.check_text_field(file, text_field)
+            except ValueError as error:
+                raise ValueError(f"--text-field {text_field}: {error}") from None
+
+
+def _refuse(error: Exception) -> NoReturn:
+    """`error: ...` for a mistake in the command or its files (exit code 2); a bug keeps its
+    traceback."""
+    from lightning_mcore.refusals import deliberate
+
+    if isinstance(error, ValueError) and not deliberate(error):
+        raise error
+    sys.stderr.write(f"error: {error}\n")
+    raise SystemExit(2) from None
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m lightning_mcore.data.preprocess") -> None:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -227,11 +264,14 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m lightning_
         refuse_nameless(args.output_prefix)
         refuse_existing(args.output_prefix, args.overwrite)
         files = resolve_files(args.input)
+        _check_text_fields(files, args.text_field)
     except (FileExistsError, FileNotFoundError, ValueError) as error:
-        sys.stderr.write(f"error: {error}\n")
-        raise SystemExit(2) from None
+        _refuse(error)
     tokenizer = load_tokenizer(args.tokenizer)
-    documents = load_documents(files, args.text_field, args.cache_dir)
+    try:
+        documents = load_documents(files, args.text_field, args.cache_dir)
+    except ValueError as error:  # a bad line further down a file
+        _refuse(error)
     tokenized = tokenize_documents(documents, tokenizer, args.append_eos, args.workers)
     n_docs, n_tokens = write_indexed(tokenized, args.output_prefix, len(tokenizer))
     print(f"wrote {n_docs} documents, {n_tokens} tokens to {args.output_prefix}.bin/.idx")

@@ -236,9 +236,7 @@ def load_records(paths: Sequence[str], cache_dir: Optional[str] = None) -> Any:
             parts.append(loaded)
             continue
         for builder, group in preprocess._runs_of_same_builder(conversation_files(path)):
-            parts.append(
-                datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache_dir)
-            )
+            parts.append(preprocess.load_files(builder, group, cache_dir))
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
