@@ -12,15 +12,20 @@ unknown keys and wrong types (jsonargparse), parallel layouts that cannot work w
 size or the model's shape (checked here, before `fit` starts any process), and invalid values
 refused by the library's own classes while they are built (e.g. a model path that is not an
 HF directory, LoRA rank 0, a data file without the fields its format needs). Also checked here:
-the data's seq_length against the model's, the precision, the HF weights' file headers and
-`--ckpt_path` (a checkpoint directory of this very model).
+the data's seq_length against the model's, the precision, the HF weights' file headers,
+`--ckpt_path` (a checkpoint directory of this very model; `last` only where there is one,
+`last-if-any` resumes it or starts afresh), a YAML key given twice (config_yaml.py), and the
+checkpoint directories, which a `fit` holds while it runs (checkpoint_dirs.py: one that cannot
+be written, or that another run is writing into, is refused).
 
 What can only fail once the ranks run (a damaged checkpoint shard, a text shorter than one
-sequence) ends with one `error: ...` line from rank 0 and exit code 1 (refusals.py).
+sequence, a NaN loss, a full disk) ends with one `error: ...` line from rank 0 and exit code 1
+(refusals.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -29,6 +34,7 @@ from typing import Any, NoReturn, Optional
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_mcore import config_yaml
 from lightning_mcore.model.lora_checks import LoRAPlanError
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.refusals import deliberate, report_refusals, traceback_frames
@@ -57,6 +63,12 @@ class MegatronCLI(LightningCLI):
             run=run,
             **kwargs,
         )
+
+    def init_parser(self, **kwargs: Any):
+        """Every parser (the main one and each subcommand's) loads YAML refusing a key given
+        twice (config_yaml.py), which YAML would silently resolve to the last."""
+        kwargs.setdefault("parser_mode", config_yaml.MODE)
+        return super().init_parser(**kwargs)
 
     def instantiate_classes(self) -> None:
         """Build everything, then check the parallel layout against the world size *and* the
@@ -152,7 +164,7 @@ class MegatronCLI(LightningCLI):
             self._error(f"trainer.precision={self._get(self.config, 'trainer').get('precision')}: {error}")
         self._check_seq_length(module)
         self._check_hf_source(module)
-        path = self._get(self.config, "ckpt_path") if self.subcommand else None
+        path = self._resume_path() if self.subcommand else None
         if _is_path(path):
             tp = strategy.parallel.tensor_model_parallel_size
             self._read_checkpoint(f"ckpt_path={path}", Path(path),
@@ -161,6 +173,26 @@ class MegatronCLI(LightningCLI):
         self._check_data_tokenizer(module)
         self._check_prompt_room(module)
         self._check_export_targets()
+
+    def _resume_path(self) -> Any:
+        """`ckpt_path`, "last" and LAST_IF_ANY resolved here to the checkpoint Lightning's "last"
+        resumes (checkpoint_dirs.last_checkpoint), which the subcommand then gets. Where there is
+        none, "last" is refused (Lightning would warn and train from step 0) and LAST_IF_ANY
+        starts afresh."""
+        from lightning_mcore.checkpoint_dirs import checkpoint_dirs, last_checkpoint
+
+        path = self._get(self.config, "ckpt_path")
+        if path not in ("last", LAST_IF_ANY):
+            return path
+        found = last_checkpoint(self.trainer)
+        if found is None and path == "last":
+            dirs = " or ".join(checkpoint_dirs(self.trainer)) or "(the trainer has no ModelCheckpoint)"
+            self._error(f"ckpt_path=last: there is no checkpoint to resume in {dirs}, and Lightning "
+                        f"would train from step 0. Give a checkpoint's path, leave ckpt_path out to "
+                        f"start afresh, or pass --ckpt_path {LAST_IF_ANY} to resume only where a "
+                        f"checkpoint exists (a job that may be requeued).")
+        self.config_init[self.subcommand]["ckpt_path"] = found
+        return found
 
     def _check_prompt_room(self, module: MegatronModule) -> None:
         """A module that generates (GRPO) needs room for its completions after the prompts."""
@@ -248,7 +280,23 @@ class MegatronCLI(LightningCLI):
     # ------------------------------------------------------------------ run
     # LightningCLI runs `self.<subcommand>` where the CLI defines one.
     def fit(self, **kwargs: Any) -> None:
-        report_refusals(self.trainer, self.trainer.fit, **kwargs)
+        with self._checkpoint_dirs_held():
+            report_refusals(self.trainer, self.trainer.fit, **kwargs)
+
+    def _checkpoint_dirs_held(self) -> contextlib.ExitStack:
+        """The run's checkpoint directories, held by this (the launching) process until it ends:
+        a directory another run holds, or one it cannot write, is refused before any worker
+        starts (checkpoint_dirs.py)."""
+        from lightning_mcore import checkpoint_dirs
+
+        stack = contextlib.ExitStack()
+        if not checkpoint_dirs.launching_rank_zero(self.trainer):
+            return stack
+        try:
+            stack.enter_context(checkpoint_dirs.held(checkpoint_dirs.checkpoint_dirs(self.trainer)))
+        except checkpoint_dirs.CheckpointDirError as error:
+            self._error(f"trainer.callbacks (ModelCheckpoint): {error}", error)
+        return stack
 
     def validate(self, **kwargs: Any) -> None:
         report_refusals(self.trainer, self.trainer.validate, **kwargs)
@@ -315,11 +363,13 @@ class MegatronCLI(LightningCLI):
 
 
 _MISSING = object()
+# `--ckpt_path last-if-any`: resume the last checkpoint where there is one, else start afresh
+LAST_IF_ANY = "last-if-any"
 
 
 def _is_path(ckpt_path: Any) -> bool:
     """A ckpt_path naming a directory, not one Lightning resolves itself ("last", "best", ...)."""
-    return ckpt_path is not None and str(ckpt_path) not in ("last", "best", "hpc") \
+    return ckpt_path is not None and str(ckpt_path) not in ("last", "best", "hpc", LAST_IF_ANY) \
         and not str(ckpt_path).startswith("registry")
 
 
