@@ -213,16 +213,7 @@ def column_values(path: str, column: str) -> Optional[Iterator[Any]]:
     if array:  # every record (there are fewer than bytes), if the array is small enough
         records = _read_json(path, os.path.getsize(path))
         return None if records is None else (r.get(column) if isinstance(r, dict) else None for r in records)
-    return (r.get(column) if isinstance(r, dict) else None for r in _line_records(path))
-
-
-def _line_records(path: str) -> Iterator[Any]:
-    """Each non-blank line of a JSON-lines file, parsed as it is reached (json's ValueError on
-    one that is not JSON)."""
-    with open(path, encoding="utf-8") as file:
-        for line in file:
-            if line.strip():
-                yield json.loads(line)
+    return (r.get(column) if isinstance(r, dict) else None for _, r in json_lines(path))
 
 
 def check_records(paths: Sequence[str], reader: Callable[[list[str]], Callable[[dict, int], Any]]) -> None:
