@@ -9,6 +9,7 @@ also resume.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,12 +26,30 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.distributed
 
 
+_STARTED: list = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test():
+    """A failed test's run (a hang is the failure some of these look for) is killed with its
+    forked ranks and writers."""
+    yield
+    while _STARTED:
+        child = _STARTED.pop()
+        if child.poll() is None or not group_gone(child.pid, timeout=0):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+
+
 def start(tmp: Path, mode: str, **env) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
-    return subprocess.Popen([sys.executable, str(HERE / "async_save_run.py"), str(tmp), mode], env=env,
-                            cwd=tmp, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    child = subprocess.Popen([sys.executable, str(HERE / "async_save_run.py"), str(tmp), mode], env=env,
+                             cwd=tmp, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    _STARTED.append(child)
+    return child
 
 
 def wait_for(child: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
@@ -47,13 +66,14 @@ def writes(tmp: Path) -> int:
 
 def group_gone(pgid: int, timeout: float = 60) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.2)
-    return False
 
 
 def complete_step(ckpt: Path, ranks: int = 2) -> int:
