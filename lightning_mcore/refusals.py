@@ -6,7 +6,8 @@ re-runs the command for the other ranks. A refusal every rank meets (a truncated
 shard, a text too short for one sequence) would print one traceback per rank; instead rank 0
 prints one `error:` line, stops the ranks it started and exits 1. The other ranks stay quiet and
 wait for that; one whose refusal rank 0 never meets (rank 0 waits for it in a collective)
-reports it itself after REPORT_GRACE_S. A bug keeps its traceback.
+reports it itself after REPORT_GRACE_S. A bug keeps its traceback (on a rank other than 0, after
+the same wait: its error may follow from rank 0's, which rank 0 then reports).
 
 Reported the same way: a RunFailure (a NaN loss: the run cannot go on, though nothing is wrong
 with the command) and a write the disk refuses (full, read-only, not permitted: `write_failure`
@@ -76,8 +77,8 @@ def report_refusals(trainer: Any, run: Callable, **kwargs: Any) -> None:
         if message is None:
             if rank == 0 and _another_rank_refused(launcher):
                 raise SystemExit(1) from None  # that rank's `error:` line says why; this follows
-            if rank != 0 and isinstance(error, CheckpointException):
-                time.sleep(REPORT_GRACE_S)  # every rank meets a failed save: rank 0 names the cause
+            if rank != 0:  # it may only follow from rank 0's (a failed save, a peer gone from a
+                time.sleep(REPORT_GRACE_S)  # collective): rank 0 reports that and stops us first
             raise
         if rank == 0:
             if launcher is not None:  # the ranks it started would only repeat the message

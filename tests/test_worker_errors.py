@@ -251,6 +251,17 @@ def small_disk(tmp_path, request):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("small_disk", [1 << 20], indirect=True)
+def test_checkpoint_directory_turned_read_only_during_the_run(tmp_path, small_disk):
+    """Writable at launch (so not refused there), remounted read-only once training starts."""
+    config = yaml.safe_load(Path(write_config(tmp_path)).read_text())
+    config["trainer"]["callbacks"].append({"class_path": "worker_faults.RemountReadOnly"})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    line = worker_error(launch(str(tmp_path / "config.yaml")))
+    assert f"cannot write {small_disk}/" in line and "Read-only file system" in line
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("small_disk", [4096, 256 * 1024], indirect=True,
                          ids=["torch.save fails", "a shard fails"])
 def test_checkpoint_on_a_full_disk(tmp_path, small_disk):
