@@ -56,7 +56,7 @@ class UnsafeFileError(CheckpointLoadError):
     """A checkpoint file that names a global its format never holds."""
 
 
-def _refusal(file: Path, what: str) -> UnsafeFileError:
+def _refusal(file, what: str) -> UnsafeFileError:
     return UnsafeFileError(
         f"{file} holds {what}; refusing to load it, as that could run arbitrary code. "
         f"MegatronStrategy never writes such objects: this file was not written by "
@@ -89,20 +89,21 @@ def read_dcp_metadata(file: Path):
                                   f"checkpoint is incomplete or damaged.") from None
 
 
-def load_plain(file: Path, data: bytes | None = None) -> Any:
-    """A checkpoint file (or `data`, bytes stored in it) of tensors, plain containers and
-    primitives. torch's weights-only unpickler refuses anything else, so a crafted file cannot
-    run code in this process."""
+def load_plain(file: Path, data: bytes | None = None, name: str | None = None) -> Any:
+    """A checkpoint file (or `data`, bytes stored in it, called `name` in messages) of tensors,
+    plain containers and primitives. torch's weights-only unpickler refuses anything else, so a
+    crafted file cannot run code in this process."""
+    name = name or str(file)
     try:
         return torch.load(io.BytesIO(data) if data is not None else file, map_location="cpu",
                           weights_only=True)
     except pickle.UnpicklingError as error:
         lines = [line.strip() for line in str(error).splitlines() if "GLOBAL" in line]
         reason = (lines[0] if lines else "unsupported content")[:200]
-        raise _refusal(file, f"Python objects other than tensors and plain containers ({reason})") from None
+        raise _refusal(name, f"Python objects other than tensors and plain containers ({reason})") from None
     except (EOFError, RuntimeError, OSError) as error:
         detail = (str(error).splitlines() or [""])[0]
-        raise CheckpointLoadError(f"{file} cannot be read ({type(error).__name__}: {detail}); the "
+        raise CheckpointLoadError(f"{name} cannot be read ({type(error).__name__}: {detail}); the "
                                   f"checkpoint is incomplete or damaged.") from None
 
 
@@ -154,7 +155,7 @@ def _check_bytes_entry(weights: Path, key: str, info) -> None:
     except OSError as error:
         raise CheckpointLoadError(f"{shard} cannot be read ({type(error).__name__}: {error}); the "
                                   f"checkpoint is incomplete or damaged.") from None
-    load_plain(Path(f"{shard} (entry {key!r})"), data)
+    load_plain(shard, data, name=f"{shard} (entry {key!r})")
 
 
 def check_extra_state(state: dict, weights: Path) -> None:
