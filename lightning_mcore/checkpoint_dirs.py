@@ -36,13 +36,15 @@ def checkpoint_dir(callback: ModelCheckpoint, trainer: Any) -> str:
     if trainer.loggers:
         logger = trainer.loggers[0]
         version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-        return os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version, "checkpoints")
+        save_dir = logger.save_dir or trainer.default_root_dir
+        return os.path.join(save_dir, str(logger.name), version, "checkpoints")
     return os.path.join(trainer.default_root_dir, "checkpoints")
 
 
 def checkpoint_dirs(trainer: Any) -> list[str]:
     """The distinct directories of the trainer's ModelCheckpoints, in order."""
-    dirs = [checkpoint_dir(c, trainer) for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    dirs = [checkpoint_dir(c, trainer) for c in callbacks]
     return list(dict.fromkeys(os.path.abspath(d) for d in dirs))
 
 
@@ -50,7 +52,7 @@ def last_checkpoint(trainer: Any) -> Optional[str]:
     """The checkpoint `ckpt_path="last"` resumes, or None where there is none: the rule of
     Lightning's checkpoint connector (the newest by modification time of every ModelCheckpoint's
     `last*.ckpt` and every OnExceptionCheckpoint's file), through ModelCheckpoint's own listing."""
-    candidates = {getattr(c, "ckpt_path", None) for c in trainer.callbacks if isinstance(c, OnExceptionCheckpoint)}
+    candidates = {c.ckpt_path for c in trainer.callbacks if isinstance(c, OnExceptionCheckpoint)}
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             candidates |= callback._find_last_checkpoints(trainer)
@@ -86,7 +88,8 @@ def _held(directory: Path) -> Iterator[None]:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise CheckpointDirError(f"{directory}: cannot create it ({error.strerror}: {error.filename})") from None
+        raise CheckpointDirError(
+            f"{directory}: cannot create it ({error.strerror}: {error.filename})") from None
     if not os.access(directory, os.W_OK):
         code = errno.EROFS if _read_only_mount(directory) else errno.EACCES
         raise CheckpointDirError(f"{directory}: the run cannot write into it ({os.strerror(code)}); "

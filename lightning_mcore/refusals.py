@@ -105,15 +105,17 @@ def write_failure(error: BaseException, trainer: Any = None) -> Optional[str]:
         code = _write_errno(cause)
         if code is None:
             continue
-        path = getattr(cause, "filename", None) or _saving(error) or _checkpoint_dir(trainer)
-        free = _free_bytes(path)
+        path = getattr(cause, "filename", None) or _saving(error) or _checkpoint_dir(trainer) or "a file"
+        free = _free_bytes(None if path == "a file" else path)
         on_disk = f"; {free} bytes free on it" if free >= 0 else ""
         if code in DISK_FULL or (code == 0 and 0 <= free < FULL_BELOW_BYTES):
-            return (f"cannot write {path}: the disk is full ({os.strerror(errno.ENOSPC)}{on_disk}). "
+            return (f"cannot write {path}: the disk is full ({os.strerror(code or errno.ENOSPC)}{on_disk}). "
                     f"Free space there or write the checkpoints elsewhere (ModelCheckpoint's dirpath).")
         if code == 0:
-            return f"cannot write {path}: a write came back short ({cause}{on_disk}): the disk may be failing."
-        return (f"cannot write {path}: {os.strerror(code)}. Make it writable or write the "
+            return (f"cannot write {path}: a write came back short ({cause}{on_disk}): the disk "
+                    f"may be failing.")
+        verb = "write" if code == errno.EROFS else "access"  # permission is refused to readers too
+        return (f"cannot {verb} {path}: {os.strerror(code)}. Make it writable or write the "
                 f"checkpoints elsewhere (ModelCheckpoint's dirpath).")
     return None
 
@@ -129,7 +131,8 @@ def _causes(error: BaseException) -> Iterator[BaseException]:
         seen.add(id(error))
         yield error
         todo += [error.__cause__, error.__context__]
-        todo += [failure[0] for failure in (getattr(error, "failures", None) or {}).values()]
+        failures = (getattr(error, "failures", None) or {}).values()  # rank: (error, its stack)
+        todo += [failure[0] if isinstance(failure, tuple) else failure for failure in failures]
 
 
 def _write_errno(error: BaseException) -> Optional[int]:
@@ -156,7 +159,8 @@ def _saving(error: BaseException) -> Optional[str]:
 
 def _checkpoint_dir(trainer: Any) -> Optional[str]:
     """The directory of the trainer's (first) ModelCheckpoint."""
-    dirs = [c.dirpath for c in getattr(trainer, "checkpoint_callbacks", None) or [] if getattr(c, "dirpath", None)]
+    callbacks = getattr(trainer, "checkpoint_callbacks", None) or []
+    dirs = [c.dirpath for c in callbacks if getattr(c, "dirpath", None)]
     return str(dirs[0]) if dirs else None
 
 

@@ -10,15 +10,19 @@ JSONL line past the records the data modules peek at, and a checkpoint on a full
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 import yaml
 
 from lightning_mcore import GPTConfig
@@ -248,6 +252,38 @@ def small_disk(tmp_path, request):
         pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.decode().strip()})")
     yield directory
     subprocess.run(["umount", str(directory)], check=True)
+
+
+def save_checkpoint(checkpoint: dict, filepath: str, write) -> None:
+    """Like Trainer.save_checkpoint, `filepath` written by `write(checkpoint)`."""
+    write(checkpoint)
+
+
+def write_bytes(checkpoint: dict, device: str) -> None:
+    with open(device, "wb", buffering=0) as file:
+        file.write(str(checkpoint).encode())
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_full_disk_errors_without_a_mount(tmp_path):
+    """Where no small disk can be mounted: /dev/full refuses every write with ENOSPC. Python's
+    OSError and torch's short write ('unexpected pos', no errno) name the checkpoint being saved;
+    the short write is called a full disk only where its disk has little room left."""
+    from lightning_mcore.refusals import FULL_BELOW_BYTES, refusal_message
+
+    target = str(tmp_path / "epoch=0-step=2.ckpt")
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(OSError) as full:
+        save_checkpoint({"step": 2}, target, lambda c: write_bytes(c, "/dev/full"))
+    assert full.value.errno == errno.ENOSPC
+    assert re.fullmatch(rf"cannot write {re.escape(target)}: the disk is full \(No space left on "
+                        rf"device; \d+ bytes free on it\)\. Free space there or write the "
+                        rf"checkpoints elsewhere \(ModelCheckpoint's dirpath\)\.", refusal_message(full.value))
+    with pytest.raises(RuntimeError, match="unexpected pos") as short:
+        save_checkpoint({"x": torch.zeros(1000)}, target, lambda c: torch.save(c, "/dev/full"))
+    line = refusal_message(short.value)
+    assert line.startswith(f"cannot write {target}: ")
+    assert ("the disk is full" in line) == (free < FULL_BELOW_BYTES)
 
 
 @pytest.mark.distributed
