@@ -182,14 +182,20 @@ def _print_error(message: str) -> None:
     sys.stderr.flush()
 
 
+def _exit_code(proc: Any):
+    """A started rank's exit code, or None while it runs: a Popen (the subprocess launcher) or
+    a multiprocessing Process (start_method fork/spawn)."""
+    return proc.poll() if hasattr(proc, "poll") else proc.exitcode
+
+
 def _another_rank_refused(launcher: Any, wait_s: float = 3.0) -> bool:
-    """Whether a rank that rank 0 started (Lightning's subprocess launcher keeps them in
-    `procs`) exited after reporting a refusal: rank 0's own error (a peer gone from a
+    """Whether a rank that rank 0 started (Lightning's launchers keep them in `procs`) exited
+    after reporting a refusal: rank 0's own error (a peer gone from a
     collective) only follows from it."""
     procs = getattr(launcher, "procs", None) or []
     deadline = time.monotonic() + wait_s
     while procs:
-        if REFUSED_EXIT in [proc.poll() for proc in procs]:
+        if REFUSED_EXIT in [_exit_code(proc) for proc in procs]:
             return True
         if time.monotonic() > deadline:
             return False

@@ -305,3 +305,23 @@ def test_checkpoint_on_a_full_disk(tmp_path, small_disk):
     `unexpected pos`); 256 KiB: the weight shards do not (mcore's workers: `[Errno 28]`)."""
     line = worker_error(launch(write_config(tmp_path)))
     assert f"cannot write {small_disk}/" in line and "the disk is full" in line
+
+
+@pytest.mark.parametrize("start", ["popen", "fork"])
+def test_rank_zero_learns_of_another_ranks_refusal_under_either_launcher(start):
+    """Lightning's subprocess launcher keeps Popen objects, its fork launcher multiprocessing
+    Processes: rank 0 reads the exit code of either (a Process has no poll(), which turned
+    verify --start_method fork's one-line refusal into a traceback)."""
+    import multiprocessing
+    import types
+
+    from lightning_mcore.refusals import REFUSED_EXIT, _another_rank_refused
+
+    if start == "popen":
+        proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({REFUSED_EXIT})"])
+        proc.wait()
+    else:
+        proc = multiprocessing.get_context("fork").Process(target=os._exit, args=(REFUSED_EXIT,))
+        proc.start()
+        proc.join()
+    assert _another_rank_refused(types.SimpleNamespace(procs=[proc]), wait_s=0.5)
