@@ -167,3 +167,20 @@ def test_slurm_requeue_signal(tmp_path):
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     step = complete_step(tmp_path / "hpc_ckpt_1.ckpt", ranks=1)
     assert 1 <= step < 6
+
+
+def test_a_stopped_run_leaves_no_deadline_behind():
+    """After a run stopped on a signal, the process may go on (a notebook, a script after fit):
+    the deadline that ends a rank stuck after a signal goes with the run's handlers."""
+    script = ("import os, signal, time\n"
+              "from lightning_mcore.strategy import signals\n"
+              "signals.GRACE_S = 0.2\n"
+              "watch = signals.SignalWatch()\n"
+              "watch.install(None, None)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "assert watch.agreed() == (signal.SIGTERM, False)\n"
+              "watch.uninstall()\n"
+              "assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
+              "time.sleep(1.0)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

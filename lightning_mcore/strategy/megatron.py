@@ -34,7 +34,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.async_saves import AsyncSaves
-from lightning_mcore.strategy.signals import SignalWatch, StopSignal, hpc_checkpoint_path, requeue_slurm_job
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
 from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, release_captured_graphs,
@@ -58,6 +57,7 @@ from lightning_mcore.strategy.parallel import (
     resolve_fast_path,
     validate_layout,
 )
+from lightning_mcore.strategy.signals import SignalWatch, StopSignal, hpc_checkpoint_path, requeue_slurm_job
 
 _PRECISIONS = {
     "32-true": torch.float32,
@@ -590,6 +590,7 @@ class MegatronStrategy(DDPStrategy):
         if dist.is_initialized() and dist.get_backend() != "gloo":
             self._signal_group = dist.new_group(backend="gloo")
         forward = getattr(self.launcher, "kill", None) if self.is_global_zero else None
+        self._stopped_by = 0
         self._signals.install(forward, requeue, self._signal_group)
 
     def _act_on_signals(self) -> None:

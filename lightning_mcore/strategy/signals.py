@@ -54,6 +54,7 @@ class SignalWatch:
         self._pid = None
         self._forward: Optional[Callable[[int], None]] = None
         self._group = None
+        self._timer: Optional[threading.Timer] = None
 
     def install(self, forward: Optional[Callable[[int], None]], requeue_signal: Optional[int],
                 group=None) -> None:
@@ -63,11 +64,17 @@ class SignalWatch:
         if threading.current_thread() is not threading.main_thread():
             return
         self._pid, self._forward, self._group = os.getpid(), forward, group
+        self._received, self._requeue = 0, False
         for signum in (*STOP_SIGNALS, *([requeue_signal] if requeue_signal else [])):
             self._previous.setdefault(signum, signal.getsignal(signum))
             signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:
+        """Restore the handlers found at `install`; a stop's deadline no longer applies (the
+        run has ended, the process may go on: a notebook, a script after fit)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
@@ -83,9 +90,9 @@ class SignalWatch:
         self._received = signum
         if self._forward is not None:
             self._forward(signum)
-        timer = threading.Timer(GRACE_S, self._give_up, args=(signum,))
-        timer.daemon = True
-        timer.start()
+        self._timer = threading.Timer(GRACE_S, self._give_up, args=(signum,))
+        self._timer.daemon = True
+        self._timer.start()
 
     @staticmethod
     def _give_up(signum: int) -> None:
