@@ -109,10 +109,11 @@ def load_plain(file: Path, data: bytes | None = None, name: str | None = None) -
 
 def check_weights(weights: Path) -> None:
     """Refuse a `weights/` directory (mcore torch_dist) holding anything its readers would
-    unpickle unrestricted (see the module docstring). Cached per file state: every loader calls
-    it, the launching process and each rank once."""
+    unpickle unrestricted (see the module docstring). Cached per state of the directory's files
+    (a changed file is checked again): every loader calls it, so the launching process and
+    each rank check once."""
     weights = Path(weights)
-    files = [weights / ".metadata", weights / "common.pt"]
+    files = sorted(weights.iterdir()) if weights.is_dir() else []
     _check_weights(weights, tuple(_signature(f) for f in files))
 
 
