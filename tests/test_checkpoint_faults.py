@@ -185,3 +185,18 @@ def test_a_stopped_run_leaves_no_deadline_behind():
               "time.sleep(1.0)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_rank_that_never_reaches_a_step_boundary_ends_itself():
+    """After a stop signal, a rank stuck where it cannot learn of it (a collective whose peer is
+    gone: here a sleep) ends itself with the signal's exit code once the deadline passes."""
+    script = ("import os, signal, time\n"
+              "from lightning_mcore.strategy import signals\n"
+              "signals.GRACE_S = 0.3\n"
+              "signals.SignalWatch().install(None, None)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(30)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: stopped by SIGTERM, but this rank did "
+                                                            "not reach a step boundary within 0.3 s")

@@ -97,7 +97,7 @@ class SignalWatch:
     @staticmethod
     def _give_up(signum: int) -> None:
         sys.stderr.write(f"error: stopped by {signal.Signals(signum).name}, but this rank did not reach a "
-                         f"step boundary within {GRACE_S:.0f} s (a peer rank is gone); exiting.\n")
+                         f"step boundary within {GRACE_S:g} s (a peer rank is gone); exiting.\n")
         sys.stderr.flush()
         os._exit(128 + signum)
 
