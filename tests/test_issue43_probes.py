@@ -28,6 +28,8 @@ PROBES = {
     "4. SIGTERM/SIGINT end cleanly, non-zero, never hang; SLURM requeue": [
         "test_checkpoint_faults.py::test_sigterm_during_an_async_save",
         "test_checkpoint_faults.py::test_slurm_requeue_signal",
+        "test_checkpoint_faults.py::test_a_rank_that_never_reaches_a_step_boundary_ends_itself",
+        "test_checkpoint_faults.py::test_a_stopped_run_leaves_no_deadline_behind",
     ],
     "5. silent acceptance refused before launch": [
         "test_worker_errors.py::test_a_second_run_in_a_checkpoint_directory_in_use",
