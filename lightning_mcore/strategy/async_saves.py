@@ -45,12 +45,11 @@ class AsyncSaves:
         done = self._queue.maybe_finalize_async_calls(blocking=blocking)
         del self._saves[:len(done)]
 
-    def remove(self, path) -> bool:
-        """Whether `path` is still being written (then it will not be published)."""
-        pending = [save for save in self._saves if save.path == Path(path)]
-        for save in pending:
-            save.removed = True
-        return bool(pending)
+    def remove(self, path) -> None:
+        """`path`, should it still be written, will not be published."""
+        for save in self._saves:
+            if save.path == Path(path):
+                save.removed = True
 
     def __len__(self) -> int:
         return len(self._saves)
