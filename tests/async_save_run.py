@@ -3,11 +3,16 @@ popen launcher, as the CLI starts them) with async saves every step (save_top_k=
 under `<tmp>/fast` and every 3 steps under `<tmp>/run-ckpts`, the writer slowed so that saves
 come faster than it writes. argv: tmp dir, mode:
   "slow"              finish normally (or be signalled by the test);
-  "freeze-writing"    the writer of the 7th save freezes mid-write (`<tmp>/frozen` appears);
+  "freeze-writing"    the writer of run-ckpts/epoch=0-step=6.ckpt freezes mid-write (`<tmp>/frozen`
+                      appears) once fast/last.ckpt of step 5 is published, so that the saves
+                      before it are all in place whenever the test kills the run;
   "freeze-publishing" the 2nd publication of fast/last.ckpt freezes before its rename, its
                       shards and metadata complete in the temporary directory;
   "slurm"             one rank (a single SLURM task: the test sets SLURM's environment).
-Each writer call appends a line to `<tmp>/writes` before it writes."""
+Each writer call appends a line to `<tmp>/writes` before it writes (one per save: at DP=2 every
+tensor is replicated and rank 0 writes it)."""
+
+import hashlib
 
 import sys
 import time
@@ -29,11 +34,25 @@ def freeze() -> None:
     time.sleep(600)
 
 
+def lines(name: str) -> int:
+    return len((tmp / name).read_text().splitlines()) if (tmp / name).exists() else 0
+
+
+def writing(buckets, directory: str, name: str) -> bool:
+    """Whether the writer's buckets go to the temporary directory of `directory/name`."""
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return any(Path(f).parents[2] == tmp / directory and Path(f).parents[1].name.startswith(f".tmp-{digest}-")
+               for f, *_ in buckets)  # <directory>/.tmp-<digest>-<uuid>/weights/<shard>
+
+
 def slow_writer(*args, **kwargs):
+    write_buckets = kwargs.get("write_buckets", args[3] if len(args) > 3 else [])
     with open(tmp / "writes", "a") as log:
         log.write("write\n")
-    calls = len((tmp / "writes").read_text().splitlines())
-    if mode == "freeze-writing" and calls >= 13:  # 2 ranks: the 7th save
+    if mode == "freeze-writing" and writing(write_buckets, "run-ckpts", "epoch=0-step=6.ckpt"):
+        deadline = time.monotonic() + 300
+        while lines("publications") < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
         freeze()
     time.sleep(DELAY_S)
     return original_writer(*args, **kwargs)
@@ -43,7 +62,7 @@ def replace_dir(src, final):
     if final.name == "last.ckpt" and final.parent.name == "fast":
         with open(tmp / "publications", "a") as log:
             log.write("last\n")
-        if mode == "freeze-publishing" and len((tmp / "publications").read_text().splitlines()) == 2:
+        if mode == "freeze-publishing" and lines("publications") == 2:
             freeze()
     return original_replace(src, final)
 
