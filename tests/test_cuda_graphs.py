@@ -1,5 +1,5 @@
-"""GPTConfig.cuda_graphs (issue 20): the parts reach mcore's TransformerConfig under either
-mcore's field name, every combination mcore would assert on inside each rank (or fail at capture)
+"""GPTConfig.cuda_graphs (issue 20): the parts reach mcore's TransformerConfig
+(cuda_graph_modules), every combination mcore would assert on inside each rank (or fail at capture)
 is refused before launch naming the key, and a batch of another shape is refused once graphs are
 captured. On GPU the capture itself is measured by benchmarks/compare.py --cases moe-1gpu."""
 
@@ -23,11 +23,8 @@ MOE_PARTS = ["attn", "moe_router", "moe_preprocess"]
 
 
 def mcore_parts(tf) -> list[str]:
-    """The captured parts as mcore holds them (enums in 0.16's cuda_graph_scope and 0.19's
-    cuda_graph_modules alike)."""
-    fields = {f.name for f in dataclasses.fields(tf)}
-    parts = tf.cuda_graph_modules if "cuda_graph_modules" in fields else tf.cuda_graph_scope
-    return [getattr(p, "name", p) for p in parts]
+    """The captured parts as mcore holds them (enums in cuda_graph_modules)."""
+    return [getattr(p, "name", p) for p in tf.cuda_graph_modules]
 
 
 @pytest.mark.parametrize("parts, moe", [(MOE_PARTS, True), (["attn", "mlp"], False), ([], False)])

@@ -358,10 +358,8 @@ def to_transformer_config(
     if cfg.recompute_granularity == "selective" and cfg.recompute_modules is not None:
         kwargs.update(recompute_modules=list(cfg.recompute_modules))
     if cfg.cuda_graphs is not None:
-        # mcore 0.19 renamed cuda_graph_scope to cuda_graph_modules (same names)
-        name = "cuda_graph_modules" if "cuda_graph_modules" in _fields(TransformerConfig) else "cuda_graph_scope"
         # use_te_rng_tracker: the seeding gives TE's tracker (strategy/cuda_graphs.graph_safe_rng)
-        kwargs.update(cuda_graph_impl="local", use_te_rng_tracker=use_te, **{name: list(cfg.cuda_graphs)})
+        kwargs.update(cuda_graph_impl="local", use_te_rng_tracker=use_te, cuda_graph_modules=list(cfg.cuda_graphs))
     if cfg.activation_offload_layers:
         kwargs.update(cpu_offloading=True, cpu_offloading_num_layers=cfg.activation_offload_layers,
                       cpu_offloading_activations=True, cpu_offloading_weights=False)
@@ -397,11 +395,8 @@ def to_transformer_config(
     if cfg.mla is not None:
         config_class = MLATransformerConfig
         kwargs.update(mla_config_kwargs(cfg))
+    unknown = sorted(set(cfg.extra) - _fields(config_class))
+    if unknown:
+        raise ValueError(f"GPTConfig.extra: TransformerConfig has no field {unknown[0]!r}.")
     kwargs.update(cfg.extra)
-    known = _fields(config_class)
-    unknown = sorted(set(kwargs) - known)
-    for name in unknown:  # fields that an older/newer mcore does not have
-        if name in cfg.extra:
-            raise ValueError(f"GPTConfig.extra: TransformerConfig has no field {name!r}.")
-        kwargs.pop(name)
     return config_class(**kwargs)

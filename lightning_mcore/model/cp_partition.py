@@ -68,8 +68,8 @@ def partition_indices(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> to
     in order. TE's test (tests/pytorch/attention/test_cp_utils.py lines 839-850) expects
     [0, 1, 6, 7, 8, 9, 14, 15] for cu_seqlens [0, 8, 16], cp 2, rank 0. mcore hands TE
     cu_seqlens_padded and index_selects every sequence tensor with the result
-    (megatron/core/utils.py get_thd_batch_on_this_cp_rank, 0.16.1 lines 2041-2078;
-    _get_batch_on_this_cp_rank_per_document_balancing, 0.19.2 lines 2406-2452).
+    (megatron/core/utils.py _get_batch_on_this_cp_rank_per_document_balancing, 0.19.2 lines
+    2406-2452).
     """
     _check_cp(cp)
     _check_cu_seqlens(cu_seqlens_padded, "cu_seqlens_padded")

@@ -161,12 +161,10 @@ class CachedForward:
 
 
 def _inference_mode():
-    """mcore >= 0.17 reads a process-wide flag, not `inference_context`, to run its inference
-    paths (among them: only the last position reaches the output layer)."""
-    try:
-        from megatron.core.inference.utils import InferenceMode
-    except ImportError:  # megatron-core 0.16
-        return contextlib.nullcontext()
+    """mcore reads a process-wide flag, not `inference_context`, to run its inference paths
+    (among them: only the last position reaches the output layer)."""
+    from megatron.core.inference.utils import InferenceMode
+
     return InferenceMode.active()
 
 

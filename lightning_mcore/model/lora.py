@@ -320,9 +320,10 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
         for module in chunk.modules():
             if getattr(module, "expert_bias", None) is not None:
                 # mcore moves the aux-loss-free routing bias by token counts after each step,
-                # outside the optimizer; a PEFT adapter could not carry that change.
-                module.frozen_expert_bias = True  # mcore >= 0.19
-                module.enable_expert_bias = False  # 0.16: no counts, so no change
+                # outside the optimizer; a PEFT adapter could not carry that change. Frozen: no
+                # update; not enabled: the router no longer counts tokens that nothing reads.
+                module.frozen_expert_bias = True
+                module.enable_expert_bias = False
         adapters = LoRAAdapters()
         for layer in chunk.decoder.layers:
             for path, module in layer.named_modules():

@@ -12,10 +12,8 @@ own local spec does), where mcore's TE spec would hold them whole on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-from typing import Iterator
 
 import torch
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -34,8 +32,7 @@ class LatentAttention(MLASelfAttention):
     DeepSeek-V2-Lite does not have. The specs below already say where each norm is."""
 
     def __init__(self, *args, **kwargs) -> None:
-        with _te_flag_as_installed():
-            super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)
         if self.config.tensor_model_parallel_size > 1:
             self.linear_kv_down_proj.register_forward_hook(_whole_kv_latent(self.config))
 
@@ -47,21 +44,6 @@ class LatentAttention(MLASelfAttention):
             q_layernorm=submodules.q_layernorm,
             kv_layernorm=submodules.kv_layernorm,
         )
-
-
-@contextlib.contextmanager
-def _te_flag_as_installed() -> Iterator[None]:
-    """mcore 0.16.1 without Transformer Engine: its MLA module imports TE's classes as MagicMock
-    stand-ins, believes TE is there, and `isinstance(linear_proj, TELinear)` raises. While an
-    attention is built, that module's HAVE_TE says whether TE's classes are real."""
-    from megatron.core.transformer import multi_latent_attention as module
-
-    saved = module.HAVE_TE
-    module.HAVE_TE = saved and isinstance(module.TELinear, type)
-    try:
-        yield
-    finally:
-        module.HAVE_TE = saved
 
 
 def _whole_kv_latent(config):

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 
 from megatron.core.tensor_parallel import RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
 
 from lightning_mcore.model.norm import RMSNorm
 
@@ -65,14 +66,10 @@ def with_post_norms(spec, use_te: bool):
 
 
 def _with_fc2(mlp, linear):
-    """The MLP spec with `linear` as its down projection: a ModuleSpec (mcore 0.16) or a
-    functools.partial carrying `submodules` (how mcore 0.19's local spec builds some MLPs)."""
-    partial = isinstance(mlp, functools.partial)
-    subs = mlp.keywords.get("submodules") if partial else getattr(mlp, "submodules", None)
-    if not hasattr(subs, "linear_fc2"):
+    """The MLP spec (a functools.partial carrying `submodules`, as mcore's specs build MLPs)
+    with `linear` as its down projection."""
+    subs = mlp.keywords.get("submodules")
+    if not isinstance(subs, MLPSubmodules):
         raise ValueError("post norms are supported on dense MLPs only, not mixtures of experts.")
     subs = dataclasses.replace(subs, linear_fc2=linear)
-    if partial:
-        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
-    mlp.submodules = subs
-    return mlp
+    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})

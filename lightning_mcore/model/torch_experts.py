@@ -138,17 +138,14 @@ class TorchGroupedMoELayer(MoELayer):
 def with_torch_experts(spec: ModuleSpec) -> ModuleSpec:
     """A layer spec whose MoE MLP runs its routed experts on torch's grouped GEMM. `spec` comes
     from mcore's builders with moe_grouped_gemm=False (a SequentialMLP); its expert linears become
-    mcore's own, as the grouped GEMM reads only their weights. mcore 0.16 writes the MoE MLP as a
-    ModuleSpec, 0.19 as a partial of MoELayer."""
+    mcore's own, as the grouped GEMM reads only their weights. mcore writes the MoE MLP as a
+    partial of MoELayer."""
     spec = copy.deepcopy(spec)
-    sub = spec.submodules
-    mlp = sub.mlp
+    mlp = spec.submodules.mlp
+    if mlp.func is not MoELayer:
+        raise ValueError(f"torch experts replace an MoELayer, not {mlp.func!r}.")
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:
-        mlp.module = TorchGroupedMoELayer
-        mlp.submodules.experts = ModuleSpec(module=TorchGroupedMLP, submodules=linears)
-    elif isinstance(mlp, functools.partial) and mlp.func is MoELayer:
-        moe = dataclasses.replace(mlp.keywords["submodules"],
-                                  experts=functools.partial(TorchGroupedMLP, submodules=linears))
-        sub.mlp = functools.partial(TorchGroupedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    moe = dataclasses.replace(mlp.keywords["submodules"],
+                              experts=functools.partial(TorchGroupedMLP, submodules=linears))
+    spec.submodules.mlp = functools.partial(TorchGroupedMoELayer, *mlp.args, **{**mlp.keywords, "submodules": moe})
     return spec
