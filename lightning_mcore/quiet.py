@@ -40,9 +40,9 @@ HARMLESS = (
     Harmless(r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning,
              r"megatron\.core\.",
              "on CPU torch's optimizers and multi-tensor ops are the ones to use", cpu_only=True),
-    Harmless(r"full scope is deprecated\. Use empty cuda_graph_(scope|modules)", UserWarning,
+    Harmless(r"full scope is deprecated\. Use empty cuda_graph_modules", UserWarning,
              r"megatron\.core\.transformer\.transformer_config",
-             "mcore's TransformerConfig warns about its own default (cuda_graph_scope='full')"),
+             "mcore's TransformerConfig warns about its own default (cuda_graph_modules='full')"),
     Harmless(r"MimoModelConfig is experimental", UserWarning, r"megatron\.core\.models\.mimo",
              "mcore 0.19 imports its multimodal model's config as it starts; we do not use it"),
     Harmless(r"When using (async grad allreduce|sequence parallelism) it is recommended to set the "
@@ -122,7 +122,7 @@ HARMLESS_LINES = tuple(
 ) + (
     HarmlessLine("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED\.",
                  "mcore 0.19 asks those who build on it to move to its HybridModel; GPTModel, which "
-                 "every mcore from 0.16.1 to 0.19 has, is what we build for the user"),
+                 "it still has, is what we build for the user"),
     HarmlessLine("torch.utils.cpp_extension", r"No CUDA runtime is found, using CUDA_HOME=",
                  "torch says it as mcore imports torch's extension builder on a machine with CUDA "
                  "installed; silenced only where the user hid the GPUs, and so knows",

@@ -366,13 +366,10 @@ def load_reference(directory: str, dtype: torch.dtype):
     its default on CPU, torch's grouped_mm, refuses odd widths ("strides should be multiple of
     16 bytes", a Mixtral with 97-wide experts) and float64."""
     import transformers
-    from packaging.version import Version
 
-    # transformers 4.56 renamed torch_dtype to dtype (5 defaults to the checkpoint's dtype)
-    options = {"dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype": dtype}
-    if hasattr(transformers.PreTrainedModel, "set_experts_implementation"):
-        options["experts_implementation"] = "eager"
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, **options)
+    # dtype: transformers defaults to the checkpoint's dtype
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, local_files_only=True, dtype=dtype, experts_implementation="eager")
     return model.eval()
 
 

@@ -28,7 +28,7 @@ from lightning_mcore.strategy.checkpoint_io import COMMON, load_plain
 from toy import RecordLosses, StopAfter, TokenRows, assemble, tiny_config
 
 EXPERTS = LoRAConfig(target_modules=["gate_proj", "up_proj", "down_proj"], rank=4, alpha=8.0)
-# Adam: its moments are optimizer state that a resume must bring back. (mcore 0.16 cannot
+# Adam: its moments are optimizer state that a resume must bring back. (mcore cannot
 # resume SGD's state: its FP32Optimizer has no init_state_fn for SGD's momentum buffers.)
 ADAM = OptimizerSettings(lr=2e-2, weight_decay=0.0, warmup_steps=0)
 EP2 = dict(expert_model_parallel_size=2)

@@ -132,11 +132,12 @@ def test_block_more_layers_than_a_pipeline_stage():
     assert error.options == ("pipeline_model_parallel_size",)
 
 
-def test_uniform_units_must_divide_the_stage():
-    """mcore 0.16's uniform loop indexes layer 4 of a 4-layer stage with units of 3."""
-    refuse("units of recompute_num_layers=3 layers, which must divide the 4 layers",
-           recompute_granularity="full", recompute_num_layers=3)
-    validate_memory(ParallelConfig(), tiny_config(recompute_granularity="full", recompute_num_layers=2))
+def test_uniform_units_need_not_divide_the_stage():
+    """mcore's uniform loop ends its last unit at the stage's last layer (recompute.py,
+    checkpointed_forward): units of 3 over a 4-layer stage are taken as given."""
+    validate_memory(ParallelConfig(), tiny_config(recompute_granularity="full", recompute_num_layers=3))
+    tf = tf_config(recompute_granularity="full", recompute_num_layers=3)
+    assert (tf.recompute_method, tf.recompute_num_layers) == ("uniform", 3)
 
 
 def test_recompute_in_extra_points_to_the_typed_keys():

@@ -30,9 +30,8 @@ def run(tmp, devices, config, name, **parallel):
 @pytest.mark.parametrize("devices,parallel,model", [
     (1, {}, dict(moe_aux_loss_coeff=0.1)),
     (2, dict(expert_model_parallel_size=2), dict(moe_aux_loss_coeff=0.1)),
-    # expert-TP 2: each rank's grouped GEMMs on its shards of every expert (no aux loss: mcore
-    # 0.16 scales its gradient by one TP rank's tokens under SP, see test_moe_layouts.py)
-    (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(moe_aux_loss_coeff=0.0)),
+    # expert-TP 2: each rank's grouped GEMMs on its shards of every expert
+    (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(moe_aux_loss_coeff=0.1)),
     (2, dict(pipeline_model_parallel_size=2), dict(moe_aux_loss_coeff=0.1)),
     # top-1 routing with the probability applied to the expert's input (mcore's option)
     (1, {}, dict(moe_router_topk=1, moe_router_pre_softmax=True, extra={"moe_apply_probs_on_input": True}))],

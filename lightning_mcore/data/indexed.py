@@ -14,10 +14,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
-try:
-    from megatron.core.tokenizers import MegatronTokenizerBase
-except ImportError:  # older mcore: GPTDatasetConfig only duck-types the tokenizer
-    MegatronTokenizerBase = object  # type: ignore[misc,assignment]
+from megatron.core.tokenizers import MegatronTokenizerBase
 
 BATCH_KEYS = {
     "tokens": torch.int64,

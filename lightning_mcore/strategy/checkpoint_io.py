@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import multiprocessing as mp
 import queue
 import shutil
@@ -95,9 +94,8 @@ def sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
 
 def _stubs(optimizer) -> list[bool]:
     """Which parts of mcore's optimizer chain are stubs (no parameters, no torch optimizer:
-    the dense part when LoRA adapts MoE experts only). mcore 0.16's ChainedOptimizer cannot
-    save or load a chain with one (its step sync and the stub's state_dict read the missing
-    torch optimizer)."""
+    the dense part when LoRA adapts MoE experts only). mcore's ChainedOptimizer cannot save
+    or load a chain with one (its step sync reads the stub's missing torch optimizer)."""
     return [getattr(o, "is_stub_optimizer", False) for o in getattr(optimizer, "chained_optimizers", [])]
 
 
@@ -170,13 +168,6 @@ def _results_queue(async_save: bool) -> None:
     filesystem_async._results_queue = mp.get_context("fork").Queue() if async_save else queue.Queue()
 
 
-def _mcore_async_writer(save_fn) -> dict:
-    """mcore 0.19 writes async saves with nvidia-resiliency-ext unless told otherwise
-    (async_strategy="nvrx", a package we do not depend on); mcore's own forked writer is the one
-    `_results_queue` is set up for. mcore 0.16 has only that one."""
-    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save_fn).parameters else {}
-
-
 def save(path: Path, common: dict, chunks, optimizer, rank: int,
          options: CheckpointOptions = CheckpointOptions(), wanted: Callable[[], bool] = lambda: True):
     """Collective: every rank writes its shards into a temporary directory of this save's own,
@@ -202,8 +193,11 @@ def save(path: Path, common: dict, chunks, optimizer, rank: int,
     if rank == 0:
         torch.save(common, tmp / COMMON)  # check_plain(common) ran in strip_for_common
     state = sharded_state_dict(chunks, optimizer if options.save_optimizer else None, is_loading=False)
+    # async_strategy: mcore writes async saves with nvidia-resiliency-ext unless told otherwise
+    # ("nvrx", a package we do not depend on); its own forked writer is the one `_results_queue`
+    # is set up for
     request = dist_checkpointing.save(state, str(tmp / WEIGHTS), async_sharded_save=options.async_save,
-                                      **_mcore_async_writer(dist_checkpointing.save))
+                                      async_strategy="mcore")
 
     def publish() -> None:
         dist.barrier()
@@ -400,7 +394,7 @@ def load_optimizer(path: Path, chunks, optimizer) -> None:
     ):
         raise NotImplementedError(
             "Resuming the distributed optimizer's state needs Transformer Engine or Apex Adam: with "
-            "torch's Adam (e.g. on CPU) megatron-core 0.16 cannot load it (distrib_optimizer "
+            "torch's Adam (e.g. on CPU) megatron-core cannot load it (distrib_optimizer "
             "asserts on Adam's 'step'). Resume with use_distributed_optimizer=False, or weights only."
         )
     model_state = model_sharded_state_dict(chunks)

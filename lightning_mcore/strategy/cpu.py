@@ -1,7 +1,7 @@
 """megatron-core on CPU (gloo): the one place that handles mcore's CUDA assumptions.
 
 Applied by MegatronStrategy only when the accelerator is CPU; nothing here runs on GPU.
-What mcore (0.16.1) assumes, and what we do about it:
+What mcore assumes, and what we do about it:
 
 1. `torch.cuda.current_device()` as `device=` (rope, buffers, p2p shapes): answer the CPU
    device, for as long as the strategy is set up.
@@ -17,12 +17,11 @@ MoE (local spec, SequentialMLP experts), patched in mcore's modules while instal
 6. The alltoall dispatcher copies split sizes device-to-host on a CUDA side stream
    (`torch.cuda.Stream()` at construction, `torch.cuda.stream`/events per step) and turns them
    into numpy only for CUDA tensors: a CPU step does the numpy conversion without streams.
-7. The router's gating GEMM tests `te_general_gemm`, a name only defined when Transformer
-   Engine imports (NameError without it), and a CUDA kernel when it is: None on CPU, so the
-   torch.mm path runs.
+7. The router's gating GEMM uses `te_general_gemm`, a CUDA kernel when Transformer Engine
+   imports: None on CPU, so the torch.mm path runs.
 8. Uneven all-gathers (tokens per rank, alltoall dispatcher with TP) use `dist.all_gather`
    with unequal sizes, which gloo refuses: pad to the longest, gather, trim.
-9. mcore 0.19's DDP orders its gradient reduction after `torch.cuda.current_stream()`: a
+9. mcore's DDP orders its gradient reduction after `torch.cuda.current_stream()`: a
    stream whose waits and records do nothing (CPU work is in program order).
 10. With Transformer Engine installed (a GPU machine running CPU work), mcore picks TE's fused
    (CUDA) Adam and SGD and TE's multi-tensor kernels for the grad norm, clipping and main-param
@@ -147,7 +146,7 @@ class CpuCompat:
         self._replace(torch.cuda, "current_device", lambda: _CPU)
         # (2) mcore calls torch.cuda.synchronize() in p2p and DDP
         self._replace(torch.cuda, "synchronize", lambda *a, **k: None)
-        # (9) mcore 0.19 DDP asks for the current stream before reducing gradients
+        # (9) mcore's DDP asks for the current stream before reducing gradients
         self._replace(torch.cuda, "current_stream", lambda *a, **k: _NO_STREAM)
         self._install_moe()
         self._install_multi_tensor()
@@ -165,20 +164,19 @@ class CpuCompat:
             self._replace(module, "multi_tensor_applier", utils.local_multi_tensor_applier)
             self._replace(module, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
         self._replace(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
-        if hasattr(clip_grads, "multi_tensor_scale_tensor_impl"):  # mcore 0.19
-            self._replace(clip_grads, "multi_tensor_scale_tensor_impl", None)
+        self._replace(clip_grads, "multi_tensor_scale_tensor_impl", None)
 
     def _install_moe(self) -> None:
         from megatron.core.tensor_parallel import mappings
         from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
         dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
-        if hasattr(dispatcher, "_maybe_dtoh_and_synchronize"):
-            # (6) the alltoall dispatcher copies split sizes to host on a torch.cuda.Stream
-            if getattr(dispatcher, "cuda_dtoh_stream", _ABSENT) is None:
-                self._replace(dispatcher, "cuda_dtoh_stream", "no CUDA stream on CPU")
-            self._replace(dispatcher, "_maybe_dtoh_and_synchronize", _moe_dtoh_on_cpu)
-        # (7) the router GEMM reads te_general_gemm: undefined without TE, a CUDA kernel with it
+        # (6) the alltoall dispatcher copies split sizes to host on a torch.cuda.Stream, made
+        # at construction unless the class already holds one
+        if dispatcher.cuda_dtoh_stream is None:
+            self._replace(dispatcher, "cuda_dtoh_stream", "no CUDA stream on CPU")
+        self._replace(dispatcher, "_maybe_dtoh_and_synchronize", _moe_dtoh_on_cpu)
+        # (7) the router GEMM reads te_general_gemm: a CUDA kernel with TE
         self._replace(moe_utils, "te_general_gemm", None)
         # (8) uneven all-gathers use dist.all_gather with unequal sizes (NCCL only, not gloo)
         gather = _padded_uneven_gather(mappings._gather_along_first_dim)

@@ -67,7 +67,7 @@ def set_environment(env: MutableMapping[str, str] = os.environ) -> None:
 
 
 def make_deterministic(config) -> None:
-    """mcore's deterministic execution in a built TransformerConfig (its __post_init__, in mcore
-    0.16 and 0.19, checks neither field against others: setting them afterwards is the same)."""
+    """mcore's deterministic execution in a built TransformerConfig (its __post_init__ checks
+    neither field against others: setting them afterwards is the same)."""
     config.deterministic_mode = True
     config.cross_entropy_loss_fusion = False

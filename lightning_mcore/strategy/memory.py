@@ -14,8 +14,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_mcore.model.config import GPTConfig
     from lightning_mcore.strategy.optimizer import OptimizerSettings
 
-# Selective-recompute modules that mcore 0.16 and 0.19 both accept (TransformerConfig's
-# allowed_modules; 0.19 adds "gdn_norm_out", for gated delta-net attention, which we do not build).
+# Selective-recompute modules that mcore accepts (TransformerConfig's allowed_modules, less
+# "gdn_norm_out", for gated delta-net attention, which we do not build).
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj")
 # TransformerConfig fields that GPTConfig sets from a typed field, by that field.
 TYPED_EXTRA = {"recompute_granularity": "recompute_granularity",
@@ -99,13 +99,6 @@ def validate_recompute(parallel: ParallelConfig, model: "GPTConfig") -> None:
             fields=("recompute_num_layers", "num_layers"),
             options=("pipeline_model_parallel_size",)
             + (("virtual_pipeline_model_parallel_size",) if parallel.virtual_pipeline_model_parallel_size else ()))
-    if method == "uniform" and stage and stage % (n or 1):
-        raise MemoryOptionError(
-            f"recompute_method='uniform' checkpoints units of recompute_num_layers={n} layers, "
-            f"which must divide the {stage} layers of each pipeline stage ({how}); mcore 0.16 "
-            f"runs past the stage's last layer otherwise. Pick a divisor of {stage}, or "
-            f"recompute_method='block'.", fields=("recompute_num_layers", "num_layers"),
-            options=("pipeline_model_parallel_size",))
 
 
 def _validate_recompute_modules(model: "GPTConfig") -> None:
@@ -145,7 +138,7 @@ def _validate_recompute_modules(model: "GPTConfig") -> None:
 
 def validate_activation_offload(parallel: ParallelConfig, model: "GPTConfig", accelerator: str,
                                 use_te: bool) -> None:
-    """mcore's cpu_offloading (0.16 and 0.19 alike): Transformer Engine's offload context (the
+    """mcore's cpu_offloading: Transformer Engine's offload context (the
     block asserts TE), fewer layers than the model's, no pipeline parallelism, no recompute."""
     n = model.activation_offload_layers
     if not n:
@@ -176,7 +169,7 @@ def validate_activation_offload(parallel: ParallelConfig, model: "GPTConfig", ac
 
 def validate_optimizer_offload(settings: "OptimizerSettings", parallel: ParallelConfig,
                                accelerator: str) -> None:
-    """mcore's optimizer_cpu_offload (HybridDeviceOptimizer; 0.16 and 0.19 alike) moves Adam's
+    """mcore's optimizer_cpu_offload (HybridDeviceOptimizer) moves Adam's
     state between CUDA and CPU and plugs into the distributed optimizer only; with it, the
     precision-aware optimizer (Megatron-LM asserts the pair), which asks for TE's version."""
     if not settings.cpu_offload:

@@ -242,7 +242,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self.scheduler.step(increment=1)
         return loss
 
-    # mcore's ChainedOptimizer.step (0.16-0.19: prepare grads, norm, clip by that norm, update),
+    # mcore's ChainedOptimizer.step (prepare grads, norm, clip by that norm, update),
     # split where the host must look: `check_update` (the strategy calls it at the end of the
     # step's schedule) reads the norm back, then `step` applies the update or not (with
     # stop_after_update `check_update` has applied it already).
@@ -272,7 +272,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     def _grad_norm(self):
         """Gradients made ready and their norm, queued on the device, nothing read back: the
-        norm as mcore gives it (a GPU tensor with TE on mcore 0.19, else a float), or None when
+        norm as mcore gives it (a GPU tensor with TE, else a float), or None when
         fp16 loss scaling found inf (mcore's own skip)."""
         with self._compat():
             if self.optimizer.prepare_grads():
@@ -359,7 +359,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
             load_optimizer()
 
     def _match_saved_groups(self, schedule: dict) -> None:
-        """mcore >= 0.19 pairs the saved param groups with the current ones by their settings,
+        """mcore pairs the saved param groups with the current ones by their settings,
         max_lr and min_lr among them: while loading, the current groups carry the checkpoint's."""
         for group in self.optimizer.param_groups:
             for key in ("max_lr", "min_lr"):

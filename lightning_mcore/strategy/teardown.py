@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 
 def destroy_model_parallel() -> None:
-    """mcore's destroy_model_parallel, and the globals it forgets (0.16: the intra-partial
+    """mcore's destroy_model_parallel, and the globals it forgets (the intra-partial
     data-parallel groups and several global-rank lists). A process that forks ranks afterwards
     (an export in a notebook, then fit) would hand them the destroyed groups, and their group
     creation would wait forever."""
