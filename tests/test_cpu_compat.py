@@ -60,3 +60,39 @@ def test_lr_schedule_matches_hand_computation():
             ratio = (step - 4) / (20 - 4)
             want = 1e-4 + (1e-3 - 1e-4) * 0.5 * (math.cos(math.pi * ratio) + 1)
         assert lr == pytest.approx(want, rel=1e-9, abs=1e-12), step
+
+
+def _cuda_kernel(*args, **kwargs):
+    """Stands in for Transformer Engine's fused optimizers and multi-tensor kernels, as mcore
+    imports them where TE is installed: CUDA only, so any use on CPU fails."""
+    raise AssertionError("a Transformer Engine CUDA kernel was picked on CPU")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_cpu_runs_torch_kernels_where_transformer_engine_is_installed(optimizer, monkeypatch, tmp_path):
+    """mcore 0.19 picks TE's FusedAdam/FusedSGD and multi-tensor kernels whenever TE imports (a GPU
+    machine running CPU work). Here mcore's optimizer modules are set as TE would set them, with
+    kernels that fail on use: a CPU run (forked rank, which inherits them) still trains, as
+    exactly as where TE is absent (torch's optimizers, mcore's local kernels; clipping active)."""
+    import megatron.core.optimizer as package
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as module
+
+    from lightning_mcore import OptimizerSettings
+    from toy import fit
+
+    settings = OptimizerSettings(lr=1e-2, warmup_steps=0, optimizer=optimizer, clip_grad=0.1)
+    plain = fit(tmp_path, steps=3, optim=settings, name="plain")
+    monkeypatch.setattr(package, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(package, "Adam", _cuda_kernel)
+    monkeypatch.setattr(package, "SGD", _cuda_kernel)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    for owner in (clip_grads, module):
+        monkeypatch.setattr(owner, "multi_tensor_applier", _cuda_kernel)
+        monkeypatch.setattr(owner, "multi_tensor_scale_impl", _cuda_kernel)
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", _cuda_kernel)
+    monkeypatch.setattr(clip_grads, "multi_tensor_scale_tensor_impl", _cuda_kernel)
+    with_te = fit(tmp_path, steps=3, optim=settings, name="with_te")
+    assert len(plain) == 3 and plain[0] != plain[1] != plain[2]  # the updates changed the weights
+    assert with_te == plain
