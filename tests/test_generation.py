@@ -198,6 +198,43 @@ def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
     assert got["greedy"] == hf_greedy(hf)
 
 
+
+class OutputPositions(L.Callback):
+    """The positions (rows of [seq, batch, hidden]) of each forward that reach the output layer
+    while the batch's prompts are generated."""
+
+    def __init__(self, out) -> None:
+        self.out, self.seen, self.fed = out, [], []
+
+    def on_predict_start(self, trainer, pl_module):
+        for chunk in pl_module.chunks:
+            for name, module in chunk.named_modules():
+                if name.endswith("output_layer"):
+                    module.register_forward_hook(lambda m, args, out: self.seen.append(args[0].shape[0]))
+                if name.endswith("embedding"):
+                    module.register_forward_hook(lambda m, args, out: self.fed.append(out.shape[0]))
+
+    def on_predict_end(self, trainer, pl_module):
+        self.out.write_text(json.dumps({"seen": self.seen, "fed": self.fed}))
+
+
+def test_cached_steps_take_only_the_last_position_to_the_output_layer(tmp_path):
+    """mcore runs the static context's inference paths (among them: only each row's last
+    position through the output layer) only under its process-wide InferenceMode flag, which
+    generation sets: the prefill feeds every prompt position, the output layer sees one."""
+    out = tmp_path / "positions.json"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        callbacks=[OutputPositions(out)], strategy=MegatronStrategy(global_batch_size=1, start_method="fork"),
+    )
+    prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
+    trainer.predict(PretrainModule(tiny_config()), DataLoader([prompts], batch_size=None))
+    got = json.loads(out.read_text())
+    assert len(got["fed"]) == len(got["seen"]) >= NEW - 1
+    assert max(got["fed"]) >= min(len(p) for p in PROMPTS) > 1  # a prefill of several positions
+    assert set(got["seen"]) == {1}
+
 def test_kept_decode_cache_is_reused_and_sized_to_a_power_of_two():
     """The graphs' KV cache outlives a call: reused while the row count is the same and the
     sequences fit, else replaced (old one dropped); sized to the call's length rounded up to a
