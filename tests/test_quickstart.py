@@ -193,3 +193,36 @@ def test_torch_checkpoint_notices_of_mcore_019_loads_are_silenced(tmp_path):
     assert "intent is to save in a single process" in save and "argument order of load" in order
     assert "intent is to load in a single process" in load
     assert warned(lambda: save_and_load(tmp_path / "b"), silenced=True) == [save]
+
+
+def test_mcore_gptmodel_notice_is_silenced(tmp_path):
+    """mcore 0.19 logs that GPTModel is deprecated each time one is built (rank 0), and GPTModel
+    is what we build. A tiny run logs that line once quiet.py's filter is taken off its logger,
+    and does not with it."""
+    import logging
+
+    from toy import fit
+
+    (line,) = [line for line in HARMLESS_LINES if line.logger == "megatron.core.models.gpt.gpt_model"]
+    logger = logging.getLogger(line.logger)
+    filters = list(logger.filters)
+
+    def logged(name: str) -> str:
+        handler = logging.FileHandler(tmp_path / f"{name}.log")  # a forked rank inherits it
+        logger.addHandler(handler)
+        try:
+            fit(tmp_path, steps=1, name=name)
+        finally:
+            logger.removeHandler(handler)
+            handler.close()
+        return (tmp_path / f"{name}.log").read_text()
+
+    quiet = logged("quiet")
+    for f in filters:
+        logger.removeFilter(f)
+    try:
+        loud = logged("loud")
+    finally:
+        for f in filters:
+            logger.addFilter(f)
+    assert re.search(line.message, loud) and not re.search(line.message, quiet)
