@@ -146,6 +146,15 @@ def test_recompute_in_extra_points_to_the_typed_keys():
            extra={"recompute_method": "block", "recompute_num_layers": 2})
 
 
+
+def test_extra_fields_reach_mcore_and_unknown_ones_are_refused():
+    """GPTConfig.extra passes any other TransformerConfig field; one mcore does not have is named,
+    not dropped (every field we set ourselves is one of 0.19's)."""
+    assert tf_config().attention_softmax_in_fp32  # mcore's default
+    assert not tf_config(extra={"attention_softmax_in_fp32": False}).attention_softmax_in_fp32
+    with pytest.raises(ValueError, match="GPTConfig.extra: TransformerConfig has no field 'no_such_field'"):
+        tf_config(extra={"no_such_field": 1, "attention_softmax_in_fp32": False})
+
 # --------------------------------------------------------------- activation offload
 def test_activation_offload_reaches_mcore():
     tf = tf_config(activation_offload_layers=2)
