@@ -67,8 +67,8 @@ def replace_dir(src, final):
     return original_replace(src, final)
 
 
-original_writer = FileSystemWriterAsync.write_preloaded_data_multiproc
-FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow_writer)
+original_writer = FileSystemWriterAsync.write_preloaded_data_multithread
+FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(slow_writer)
 original_replace, checkpoint_io.replace_dir = checkpoint_io.replace_dir, replace_dir
 fast = ModelCheckpoint(dirpath=tmp / "fast", every_n_train_steps=1, save_top_k=1, save_last=True)
 fit_with_checkpoints(tmp, "run", devices=1 if mode == "slurm" else 2, start_method="popen", tensor_model_parallel_size=1,
