@@ -34,6 +34,9 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 # torch's zip writer (inline_container.cc) when a write comes back short, with no errno
 SHORT_WRITE = "unexpected pos"
+# mcore's save threads pass on only the class of the error they hit (filesystem_async.py:
+# "An error is caught while starting worker 0, error: <class 'OSError'>"); they log its text
+UNNAMED_WRITE_ERRORS = ("error: <class 'OSError'>", "error: <class 'RuntimeError'>")
 # below this much free space a short write means a full disk
 FULL_BELOW_BYTES = 64 * 2**20
 
@@ -112,8 +115,8 @@ def write_failure(error: BaseException, trainer: Any = None) -> Optional[str]:
             return (f"cannot write {path}: the disk is full ({os.strerror(code or errno.ENOSPC)}{on_disk}). "
                     f"Free space there or write the checkpoints elsewhere (ModelCheckpoint's dirpath).")
         if code == 0:
-            return (f"cannot write {path}: a write came back short ({cause}{on_disk}): the disk "
-                    f"may be failing.")
+            return (f"cannot write {path}: a write failed ({cause}{on_disk}): the disk may be "
+                    f"failing; the rank's log above may say more.")
         verb = "write" if code == errno.EROFS else "access"  # permission is refused to readers too
         return (f"cannot {verb} {path}: {os.strerror(code)}. Make it writable or write the "
                 f"checkpoints elsewhere (ModelCheckpoint's dirpath).")
@@ -136,8 +139,8 @@ def _causes(error: BaseException) -> Iterator[BaseException]:
 
 
 def _write_errno(error: BaseException) -> Optional[int]:
-    """The errno of a refused write (0: torch's short write, which has none), or None. mcore's
-    save workers pass on only the text of their OSError (`Worker failure: [Errno 28] ...`)."""
+    """The errno of a refused write (0: a short write or a save thread's error, which carry
+    none), or None."""
     codes = DISK_FULL + NOT_WRITABLE
     if isinstance(error, OSError) and error.errno in codes:
         return error.errno
@@ -145,7 +148,8 @@ def _write_errno(error: BaseException) -> Optional[int]:
     found = [code for code in codes if f"[Errno {code}]" in text]
     if found:
         return found[0]
-    return 0 if isinstance(error, RuntimeError) and SHORT_WRITE in text else None
+    unnamed = SHORT_WRITE in text or any(text.endswith(e) for e in UNNAMED_WRITE_ERRORS)
+    return 0 if isinstance(error, RuntimeError) and unnamed else None
 
 
 def _saving(error: BaseException) -> Optional[str]:
