@@ -3,8 +3,6 @@ loads with the mcore model's logits; merged export equals peft's merge_and_unloa
 untouched; the trainable count follows the formula; TP=1, TP=2, PP=2 train alike."""
 
 import json
-import subprocess
-import sys
 
 import lightning as L
 import pytest
@@ -16,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_models import hf_logits, make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
+from lightning_mcore.cli import main
 from lightning_mcore.model.lora import LoRAConfig, LoRAError
 from toy import TokenRows, fit, sharded_weights, tiny_config
 
@@ -122,10 +121,10 @@ def test_peft_export_and_merge_match_peft_at_tp2(family, tmp_path):
     keys = dist_checkpointing.load_tensors_metadata(str(saved / "weights"))
     assert keys and all(k.startswith(("lora.", "optimizer.")) for k in keys), sorted(keys)[:5]
 
-    # The export command rebuilds base + adapters from the adapter-only checkpoint.
+    # The export command rebuilds base + adapters from the adapter-only checkpoint (in-process:
+    # the command in a fresh interpreter is test_hf_export_from_training's).
     for mode in ("peft", "merged"):
-        subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint", str(saved),
-                        "--output", str(tmp_path / f"cmd-{mode}"), "--mode", mode], check=True)
+        main(["export", "--checkpoint", str(saved), "--output", str(tmp_path / f"cmd-{mode}"), "--mode", mode])
         a, b = tensors(tmp_path / mode), tensors(tmp_path / f"cmd-{mode}")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (mode, tmp_path)
 

@@ -5,8 +5,6 @@ merge_and_unload. Freezing keeps exactly the chosen parts bitwise unchanged. A f
 resumed from its step-2 checkpoint (vision encoder included) continues with the same losses."""
 
 import json
-import subprocess
-import sys
 
 import lightning as L
 import pytest
@@ -19,6 +17,7 @@ from test_hf_roundtrip import tensors
 from toy import RecordLosses, StopAfter
 from vlm_models import batch, hf_logits, make_vlm, sample
 from lightning_mcore import MegatronStrategy, OptimizerSettings
+from lightning_mcore.cli import main
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.vision_language import Freezing, VisionLanguageSFTModule
 
@@ -135,10 +134,10 @@ def test_lora_peft_export_loads_in_peft_with_our_logits(family, layout, tmp_path
 
 
 def assert_command_export_equals(checkpoint, directory, mode: str) -> None:
-    """`lightning-mcore export` of `checkpoint` writes the tensors of `directory` bit for bit."""
+    """`lightning-mcore export` of `checkpoint` (in-process) writes the tensors of `directory` bit
+    for bit."""
     out = directory.with_name(f"cmd-{mode}")
-    subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint", str(checkpoint),
-                    "--output", str(out), "--mode", mode], check=True)
+    main(["export", "--checkpoint", str(checkpoint), "--output", str(out), "--mode", mode])
     a, b = tensors(directory), tensors(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (mode, sorted(a)[:3], sorted(b)[:3])
 
