@@ -52,6 +52,28 @@ def export(args, capsys) -> tuple:
     return info.value.code, capsys.readouterr().err
 
 
+def _run_export(args: list, err: str) -> None:
+    """The forked child: the command's output to the file `err`."""
+    sys.stderr = sys.stdout = open(err, "w")
+    export_main([str(a) for a in args])
+
+
+def forked_export(args) -> tuple:
+    """(exit code, stderr) of `lightning-mcore export ARGS` (the command's own `main`) in a
+    process forked from this one: no fresh interpreter's imports, and the process group the
+    export starts stays out of this process (later forked ranks would hang on what it leaves)."""
+    import multiprocessing
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".export-err", delete=False) as err:
+        child = multiprocessing.get_context("fork").Process(target=_run_export, args=(list(args), err.name))
+        child.start()
+        child.join()
+    text = Path(err.name).read_text()
+    os.unlink(err.name)
+    return child.exitcode, text
+
+
 def refused(args, capsys, *names) -> str:
     code, err = export(args, capsys)
     assert code == 2, err
@@ -107,9 +129,10 @@ def test_export_refuses_the_current_directory(run, capsys, tmp_path, monkeypatch
     assert not list(work.iterdir()) and sorted(p.name for p in tmp_path.iterdir()) == ["work"]
 
 
-def test_export_writes_then_replaces_only_its_own_export(run, tmp_path):
+def test_export_writes_then_replaces_only_its_own_export(run, tmp_path, capsys):
     """The real console command: what it prints, the tokenizer it copies, file modes; a second
-    export needs --overwrite and then gives the same files."""
+    export needs --overwrite (refused before any process group: in this process) and then gives
+    the same files (the command's `main` in a forked process: the console command ran above)."""
     out = tmp_path / "hf"
     command = [sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint",
                str(run / "x-ckpts/last.ckpt"), "--output", str(out)]
@@ -123,10 +146,12 @@ def test_export_writes_then_replaces_only_its_own_export(run, tmp_path):
     assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
     weights = load_file(out / "model.safetensors")
 
-    again = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
-    assert again.returncode == 2 and "--overwrite" in again.stderr.strip().splitlines()[-1]
-    replaced = subprocess.run(command + ["--overwrite"], capture_output=True, text=True, cwd=tmp_path)
-    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    before = snapshot(out)
+    code, err = export(command[4:], capsys)
+    assert code == 2 and "--overwrite" in err.strip().splitlines()[-1]
+    assert snapshot(out) == before
+    code, err = forked_export(command[4:] + ["--overwrite"])
+    assert code == 0, err[-2000:]
     assert sorted(p.name for p in out.iterdir()) == files
     assert all(torch.equal(weights[k], v) for k, v in load_file(out / "model.safetensors").items())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary left behind
