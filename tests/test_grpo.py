@@ -367,7 +367,7 @@ def test_grpo_learns_a_toy_reward(tmp_path):
             out.write_text(json.dumps(self.rows))
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=40, logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=1, max_steps=16, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Rewards()],
         strategy=MegatronStrategy(global_batch_size=16, micro_batch_size=8, start_method="fork"),
     )

@@ -180,7 +180,7 @@ def test_kto_rewards_separate_on_the_toy_data(tmp_path):
     """The bundled examples: polite correct answers desirable, rude wrong ones undesirable."""
     out, by_file = tmp_path / "metrics.json", tmp_path / "by_file.json"
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=20, logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=1, max_steps=14, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False,
         callbacks=[RecordMetrics(out), RewardsByFileLabel(by_file, beta=0.1)],
         strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=4, start_method="fork"),

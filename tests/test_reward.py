@@ -202,7 +202,7 @@ def test_reward_layouts_agree(tmp_path):
 
 @pytest.mark.distributed
 def test_reward_learns_the_bundled_pairs(tmp_path):
-    """30 steps from scratch on the bundled pairs (polite correct answers preferred to rude
+    """20 steps from scratch on the bundled pairs (polite correct answers preferred to rude
     wrong ones, margin 0.5)."""
     from lightning_mcore.data.reward import RewardDataModule
 
@@ -210,7 +210,7 @@ def test_reward_learns_the_bundled_pairs(tmp_path):
     module = RewardModule(config, OptimizerSettings(lr=1e-3, warmup_steps=2, min_lr=1e-4))
     data = RewardDataModule(str(ROOT / "configs/sample_data/reward.jsonl"), str(ROOT / "configs/sample_data/tokenizer"),
                             256, chat_template="chatml", cache_dir=str(tmp_path / "cache"))
-    rows = train(tmp_path, module, data, steps=30)
+    rows = train(tmp_path, module, data, steps=20)
     assert rows[-1]["accuracy"] > 0.9 and rows[-1]["reward_gap"] > 0.5, [r["accuracy"] for r in rows]
 
 
