@@ -2,9 +2,6 @@
 `lightning-mcore export` makes of the saved checkpoint, and both load in transformers with the
 trained mcore model's logits; a checkpoint also starts a fine-tuning run (weights only)."""
 
-import subprocess
-import sys
-
 import lightning as L
 import pytest
 import torch
@@ -15,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_models import hf_logits, make_hf_model
 from lightning_mcore import HFExport, MegatronStrategy, OptimizerSettings, PretrainModule
+from test_export_safety import forked_export
 from toy import TokenRows
 
 TOKENS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -63,8 +61,8 @@ def test_callback_export_equals_export_command_and_transformers(tmp_path):
 
     command = tmp_path / "command"
     saved = ckpts / "epoch=0-step=3.ckpt"
-    subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint", str(saved),
-                    "--output", str(command)], check=True)
+    code, err = forked_export(["--checkpoint", saved, "--output", command])  # the command's main
+    assert code == 0, err[-2000:]
     a, b = tensors(from_callback), tensors(command)
     assert a.keys() == b.keys() == tensors(source).keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -81,10 +79,12 @@ def test_callback_export_equals_export_command_and_transformers(tmp_path):
     assert (torch.load(tmp_path / "start.pt") - trained).abs().max().item() <= 1e-5
 
 
-def test_export_command_refuses_a_non_checkpoint(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint",
-                             str(tmp_path), "--output", str(tmp_path / "out")],
-                            capture_output=True, text=True)
-    assert result.returncode != 0
-    assert "is not a MegatronStrategy checkpoint" in result.stderr
+def test_export_command_refuses_a_non_checkpoint(tmp_path, capsys):
+    """Refused before any process group: the console command's `main`, in this process."""
+    from lightning_mcore.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "out")])
+    assert info.value.code not in (0, None)
+    assert "is not a MegatronStrategy checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
