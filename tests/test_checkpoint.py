@@ -11,14 +11,35 @@ import pytest
 import torch.distributed as dist
 
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
+from process_state import leaves_no_process_state
 from toy import fit_with_checkpoints as run
 from toy import tiny_config
 
+DP2 = dict(tensor_model_parallel_size=1)  # DP=2, each rank its own data slice
+
+
+def straight_run(tmp_path_factory, devices: int, **layout) -> tuple:
+    """An uninterrupted 6-step run that the resumed ones are held to: (rank 0's losses, its
+    directory). Trained once per module (its checkpoints are only read)."""
+    tmp = tmp_path_factory.mktemp(f"straight{devices}")
+    with leaves_no_process_state():  # module-scoped: the per-test cleanup does not cover it
+        return run(tmp, "straight", devices, **layout), tmp
+
+
+@pytest.fixture(scope="module")
+def straight1(tmp_path_factory) -> tuple:
+    return straight_run(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def straight_dp2(tmp_path_factory) -> tuple:
+    return straight_run(tmp_path_factory, 2, **DP2)
+
 
 @pytest.mark.distributed
-def test_resume_continues_exactly_with_data_parallel(tmp_path):
-    layout = dict(tensor_model_parallel_size=1)  # DP=2, each rank its own data slice
-    straight = run(tmp_path, "straight", 2, **layout)
+def test_resume_continues_exactly_with_data_parallel(tmp_path, straight_dp2):
+    layout = DP2
+    straight = straight_dp2[0]
     first = run(tmp_path, "first", 2, stop=3, **layout)
     assert first == straight[:3]
     saved = tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt"
@@ -30,10 +51,10 @@ def test_resume_continues_exactly_with_data_parallel(tmp_path):
 
 
 @pytest.mark.distributed
-def test_async_save_resumes_exactly(tmp_path):
+def test_async_save_resumes_exactly(tmp_path, straight_dp2):
     """The shards are written by a forked process; the directory appears once all are done."""
-    layout = dict(tensor_model_parallel_size=1)
-    straight = run(tmp_path, "straight", 2, **layout)
+    layout = DP2
+    straight = straight_dp2[0]
     run(tmp_path, "first", 2, stop=3, checkpoint=CheckpointOptions(async_save=True), **layout)
     saved = tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt"
     assert sorted(p.name for p in saved.iterdir()) == ["common.pt", "rng_0.pt", "rng_1.pt", "weights"]
@@ -44,13 +65,13 @@ def test_async_save_resumes_exactly(tmp_path):
 
 
 @pytest.mark.distributed
-def test_checkpoint_without_optimizer_and_rng(tmp_path):
+def test_checkpoint_without_optimizer_and_rng(tmp_path, straight1):
     """save_optimizer/save_rng=False leave those out; resuming warns and starts a fresh
     optimizer: step 4's loss (weights after step 3) matches the straight run, step 5's (after
     an update from fresh Adam moments) does not."""
     from megatron.core import dist_checkpointing
 
-    straight = run(tmp_path, "straight", 1)
+    straight = straight1[0]
     lean = CheckpointOptions(save_optimizer=False, save_rng=False)
     first = run(tmp_path, "first", 1, stop=3, checkpoint=lean)
     assert first == straight[:3]
@@ -76,9 +97,8 @@ def test_checkpoint_from_tp2_pp2_resumes_at_tp1_and_pp2(tmp_path):
 
 
 @pytest.mark.distributed
-def test_bad_ckpt_paths_are_refused_clearly(tmp_path):
-    run(tmp_path, "first", 1, stop=3)
-    saved = tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt"
+def test_bad_ckpt_paths_are_refused_clearly(tmp_path, straight1):
+    saved = straight1[1] / "straight-ckpts" / "epoch=0-step=3.ckpt"  # a real checkpoint (step 3)
     not_ckpt = tmp_path / "plain"
     not_ckpt.mkdir()
     cases = [
@@ -96,10 +116,10 @@ def test_bad_ckpt_paths_are_refused_clearly(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("point", ["writing", "renaming"])
-def test_sigkill_mid_save_resumes_from_previous_checkpoint(tmp_path, point):
+def test_sigkill_mid_save_resumes_from_previous_checkpoint(tmp_path, point, straight1):
     """A run is SIGKILLed inside the step-6 save; `ckpt_path="last"` then finds the complete
     step-3 checkpoint (never the partial one) and steps 4-6 repeat the uninterrupted run."""
-    straight = run(tmp_path, "straight", 1)
+    straight = straight1[0]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
                                                         os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, str(Path(__file__).parent / "crash_during_save.py"),
