@@ -3,8 +3,6 @@ written (checkpoint, HF export)."""
 
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +13,8 @@ from torch.utils.data import DataLoader
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values
-from toy import TokenRows, sharded_weights, tiny_config
+from test_export_safety import forked_export
+from toy import StopAfter, TokenRows, sharded_weights, tiny_config
 
 
 class Poisoned(PretrainModule):
@@ -146,7 +145,8 @@ def test_stop_after_update_applies_the_step_then_stops_and_refuses_its_weights(t
     checked, late = tmp_path / "checked", tmp_path / "late"
     for root in (checked, late):
         root.mkdir()
-    train(checked, steps=4, callbacks=[DumpEachStep()])  # the same LR schedule (max_steps)
+    # the same LR schedule (max_steps); only steps 1 and 2 are compared
+    train(checked, steps=4, callbacks=[DumpEachStep(), StopAfter(2)])
     with pytest.raises(Exception) as info:
         train(late, steps=4, optim=OptimizerSettings(lr=1e-3, on_nonfinite="stop_after_update"),
               poison={2: ("value", None)}, callbacks=[DumpEachStep()])
@@ -215,16 +215,15 @@ class PoisonWeights(L.Callback):
 @pytest.mark.distributed
 def test_export_command_refuses_a_checkpoint_with_nan_weights(tmp_path, monkeypatch):
     """A checkpoint written before saves were checked (the check switched off here) holds a
-    NaN weight: `lightning-mcore export` refuses it and writes nothing. (A subprocess: an
-    export in this process would leave state behind that hangs later forked ranks.)"""
+    NaN weight: `lightning-mcore export` refuses it and writes nothing. (In a forked process:
+    an export in this process would leave state behind that hangs later forked ranks.)"""
     monkeypatch.setattr(MegatronStrategy, "refuse_nonfinite_weights", lambda self, what: None)
     train(tmp_path, steps=1, callbacks=[PoisonWeights()])
+    monkeypatch.undo()  # the export checks as it always does
     out = tmp_path / "hf"
-    result = subprocess.run([sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint",
-                             str(tmp_path / "ckpts" / "epoch=0-step=1.ckpt"), "--output", str(out)],
-                            capture_output=True, text=True)
-    assert result.returncode != 0
-    assert f"refusing to write the HF export {out}: the model's weights hold NaN/inf" in result.stderr
+    code, err = forked_export(["--checkpoint", tmp_path / "ckpts" / "epoch=0-step=1.ckpt", "--output", out])
+    assert code != 0
+    assert f"refusing to write the HF export {out}: the model's weights hold NaN/inf" in err
     assert [p.name for p in tmp_path.iterdir()] == ["ckpts"]  # no export, no temporary
 
 
