@@ -127,4 +127,4 @@ def test_tiny_vlm_learns_colours(tmp_path):
     assert found["after"] > 0.9, found
 
 
-STEPS = 250
+STEPS = 150
