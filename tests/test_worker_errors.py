@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -101,37 +102,43 @@ def test_ckpt_path_last_if_any(tmp_path, fit_calls):
 
 
 # --------------------------------------------------------------- two runs in one directory
-FIT_UNTIL_KILLED = """
-import functools, sys, time
-import lightning as L
-from lightning_mcore.cli import main
+def fit_until_killed(config: str, started) -> None:
+    """A forked run whose Trainer.fit says so on `started` (a pipe) and sleeps until killed."""
+    @functools.wraps(L.Trainer.fit)
+    def fit(self, *args, **kwargs):
+        started.send("training")
+        time.sleep(600)
 
-@functools.wraps(L.Trainer.fit)
-def fit(self, *args, **kwargs):
-    print("training", flush=True)
-    time.sleep(600)
-
-L.Trainer.fit = fit
-main(["fit", "--config", sys.argv[1]])
-"""
+    L.Trainer.fit = fit
+    try:
+        main(["fit", "--config", config])
+    except BaseException as error:  # noqa: BLE001 - told to the test, which waits for a word
+        started.send(repr(error))
+    os._exit(1)
 
 
 def test_a_second_run_in_a_checkpoint_directory_in_use(capsys, monkeypatch, tmp_path):
-    """While one run trains into a directory, a second one started there is refused before it
+    """While one run (another process, forked from this one: a fresh interpreter would only add
+    its imports) trains into a directory, a second one started there is refused before it
     launches, naming the directory; once the first has ended, however it ended (here
     SIGKILLed, so nothing of it could clean up), a run starts there again."""
+    import multiprocessing
+
     config = write_config(tmp_path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    first = subprocess.Popen([sys.executable, "-c", FIT_UNTIL_KILLED, config], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    first = context.Process(target=fit_until_killed, args=(config, send))
+    first.start()
     try:
-        started = first.stdout.readline().strip()
-        assert started == "training", first.stderr.read()[-3000:]
+        assert receive.poll(240), "the first run did not reach Trainer.fit"
+        started = receive.recv()
+        assert started == "training", started
         line = refused(capsys, tmp_path, config)
         assert f"ModelCheckpoint): {tmp_path / 'run'}: another run is writing its checkpoints there" in line
     finally:
         first.kill()
-        first.wait()
+        first.join()
+    assert first.exitcode == -9  # SIGKILLed inside fit, holding the directory
     with pytest.raises(AssertionError, match="Trainer.fit must not run"):  # every check passed
         main(["fit", "--config", config])
 
