@@ -135,10 +135,11 @@ def test_lightning_advice_on_workers_is_silenced(monkeypatch):
     assert warned(advice, silenced=True) == []
 
 
-def test_torch_cuda_home_notice_is_silenced_only_where_gpus_are_hidden(monkeypatch, tmp_path):
+def test_torch_cuda_home_notice_is_silenced_only_where_no_gpu_is_missed(monkeypatch, tmp_path):
     """Run on CPU on a machine with CUDA installed (CUDA_VISIBLE_DEVICES=, as the CPU suite runs on
     our GPU machines), torch logs that it finds no CUDA runtime while mcore imports its extension
-    builder. quiet.py drops that line where the GPUs are hidden, and only there."""
+    builder. quiet.py drops that line where the GPUs are hidden or the machine has no GPU
+    driver, and only there."""
     import logging
 
     import torch
@@ -148,6 +149,7 @@ def test_torch_cuda_home_notice_is_silenced_only_where_gpus_are_hidden(monkeypat
 
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # CUDA installed here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # and no runtime to be found
+    monkeypatch.setattr(quiet, "NVIDIA_DRIVER", str(tmp_path))  # on a machine with a GPU driver
 
     logger, seen = logging.getLogger("torch.utils.cpp_extension"), []
     handler = logging.Handler()  # on the logger itself: torch's loggers do not propagate to root
@@ -169,6 +171,8 @@ def test_torch_cuda_home_notice_is_silenced_only_where_gpus_are_hidden(monkeypat
         assert said.startswith("No CUDA runtime is found") and str(tmp_path) in said
         assert notices("") == [] and notices("-1") == []
         assert notices("0") == [said]  # a GPU asked for and not found
+        monkeypatch.setattr(quiet, "NVIDIA_DRIVER", str(tmp_path / "none"))  # a CPU machine
+        assert notices(None) == [] and notices("0") == []
     finally:
         logger.removeHandler(handler)
         monkeypatch.undo()
