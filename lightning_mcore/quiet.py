@@ -128,6 +128,13 @@ HARMLESS_LINES = tuple(
     HarmlessLine("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED\.",
                  "mcore 0.19 asks those who build on it to move to its HybridModel; GPTModel, which "
                  "it still has, is what we build for the user"),
+    HarmlessLine("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated",
+                 "mcore 0.19 says it at each process's first checkpoint, asynchronous or not: we ask "
+                 "for its own writer (strategy/checkpoint_io.py), not nvidia-resiliency-ext's, a "
+                 "package we do not depend on"),
+    HarmlessLine("torch.multiprocessing.spawn", r"Terminating process \d+ via signal SIGTERM",
+                 "torch says it as it stops the other ranks when one has ended (start_method fork or "
+                 "spawn): after the rank's `error:` line, or before its traceback, which says more"),
     HarmlessLine("torch.utils.cpp_extension", r"No CUDA runtime is found, using CUDA_HOME=",
                  "torch says it as mcore imports torch's extension builder on a machine with CUDA "
                  "installed; silenced only where the user hid the GPUs, and so knows, or where "

@@ -9,6 +9,11 @@ wait for that; one whose refusal rank 0 never meets (rank 0 waits for it in a co
 reports it itself after REPORT_GRACE_S. A bug keeps its traceback (on a rank other than 0, after
 the same wait: its error may follow from rank 0's, which rank 0 then reports).
 
+Under Lightning's multiprocessing launcher (start_method fork/spawn: notebooks, tests) the
+launching process runs no rank: each rank reports its own refusal (`report_in_rank`; rank 0 at
+once, the others after REPORT_GRACE_S) and exits REFUSED_EXIT, and the launching process, told
+so by torch, exits 1 without a traceback of its own.
+
 Reported the same way: a RunFailure (a NaN loss: the run cannot go on, though nothing is wrong
 with the command) and a write the disk refuses (full, read-only, not permitted: `write_failure`
 names the path), which torch and mcore raise as errors of their own, not ours.
@@ -29,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # How long a rank other than 0 that refused waits for rank 0 to report and stop it.
 REPORT_GRACE_S = 10.0
-REFUSED_EXIT = 3  # the exit code of a rank other than 0 that reported a refusal itself
+REFUSED_EXIT = 3  # the exit code of a rank that reported a refusal and is not the command's process
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 # torch's zip writer (inline_container.cc) when a write comes back short, with no errno
@@ -75,6 +80,8 @@ def report_refusals(trainer: Any, run: Callable, **kwargs: Any) -> None:
     try:
         run(**kwargs)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised unless a refusal
+        if _reported_in_a_rank(error):
+            raise SystemExit(1) from None  # the rank's `error:` line says why
         rank, launcher = trainer.global_rank, trainer.strategy.launcher
         message = refusal_message(error, trainer)
         if message is None:
@@ -91,6 +98,32 @@ def report_refusals(trainer: Any, run: Callable, **kwargs: Any) -> None:
         time.sleep(REPORT_GRACE_S)  # rank 0 meets the same refusal, reports it and stops us
         _print_error(f"(rank {rank}) {message}")
         raise SystemExit(REFUSED_EXIT) from None
+
+
+def report_in_rank(trainer: Any, run: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`run(*args, **kwargs)` in a rank a multiprocessing launcher started, a refusal inside it
+    reported by the rank itself (rank 0 at once, another after REPORT_GRACE_S), which then exits
+    REFUSED_EXIT; a bug's traceback goes to torch, which hands it to the launching process."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        return run(*args, **kwargs)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised unless a refusal
+        rank, message = trainer.global_rank, refusal_message(error, trainer)
+        if rank != 0:  # rank 0 may meet it too (or have caused it): its report comes first
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher then stops us at once
+            time.sleep(REPORT_GRACE_S)
+        if message is None:
+            raise
+        _print_error(message if rank == 0 else f"(rank {rank}) {message}")
+        raise SystemExit(REFUSED_EXIT) from None
+
+
+def _reported_in_a_rank(error: BaseException) -> bool:
+    """torch's word (to the launching process) that a rank ended after `report_in_rank` reported."""
+    from torch.multiprocessing import ProcessExitedException
+
+    return isinstance(error, ProcessExitedException) and error.exit_code == REFUSED_EXIT
 
 
 def refusal_message(error: BaseException, trainer: Any = None) -> Optional[str]:

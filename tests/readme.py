@@ -65,8 +65,10 @@ def clean_env(tmp: Path, **extra: str) -> dict:
 
 
 def warnings_in(text: str) -> list[str]:
-    """Lines of a console output that report a warning (Python's format or Lightning's)."""
-    return [line for line in text.splitlines() if re.search(r"\w*Warning\b|\.py:\d+: ", line)]
+    """Lines of a console output that report a warning (Python's format or Lightning's) or a
+    deprecation (a library's logger says so in words alone)."""
+    return [line for line in text.splitlines()
+            if re.search(r"\w*Warning\b|\.py:\d+: |(?i:\bdeprecated\b)", line)]
 
 
 def run(argv: list[str], cwd: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:

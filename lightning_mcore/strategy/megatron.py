@@ -30,6 +30,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mcore.strategy import determinism
@@ -41,6 +42,7 @@ from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_
 from lightning_mcore.strategy.expert_gemm import validate_expert_gemm, validate_expert_kernel
 from lightning_mcore.strategy.forked import rebuild_thread_pool
 from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
+from lightning_mcore.strategy.launcher import MultiprocessingLauncher
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
 from lightning_mcore.strategy.nonfinite import host_values
@@ -179,6 +181,8 @@ class MegatronStrategy(DDPStrategy):
         if self.deterministic:
             determinism.set_environment()  # before any rank starts (strategy/determinism.py)
         super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:  # fork/spawn (strategy/launcher.py)
+            self._launcher = MultiprocessingLauncher(self, start_method=self._start_method)
 
     def validate_module(self, module) -> None:
         """Settle the fast-path defaults for the module's optimizer (`optim`), then run every
