@@ -10,9 +10,8 @@ reports it itself after REPORT_GRACE_S. A bug keeps its traceback (on a rank oth
 the same wait: its error may follow from rank 0's, which rank 0 then reports).
 
 Under Lightning's multiprocessing launcher (start_method fork/spawn: notebooks, tests) the
-launching process runs no rank: each rank reports its own refusal (`report_in_rank`; rank 0 at
-once, the others after REPORT_GRACE_S) and exits REFUSED_EXIT, and the launching process, told
-so by torch, exits 1 without a traceback of its own.
+launching process runs no rank: a rank leaves its refusal's line for it (`report_in_rank`) and
+raises on; the launching process prints that one line instead of the traceback torch hands it.
 
 Reported the same way: a RunFailure (a NaN loss: the run cannot go on, though nothing is wrong
 with the command) and a write the disk refuses (full, read-only, not permitted: `write_failure`
@@ -34,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # How long a rank other than 0 that refused waits for rank 0 to report and stop it.
 REPORT_GRACE_S = 10.0
-REFUSED_EXIT = 3  # the exit code of a rank that reported a refusal and is not the command's process
+REFUSED_EXIT = 3  # the exit code of a rank other than 0 that reported a refusal itself
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 # torch's zip writer (inline_container.cc) when a write comes back short, with no errno
@@ -80,9 +79,11 @@ def report_refusals(trainer: Any, run: Callable, **kwargs: Any) -> None:
     try:
         run(**kwargs)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised unless a refusal
-        if _reported_in_a_rank(error):
-            raise SystemExit(1) from None  # the rank's `error:` line says why
         rank, launcher = trainer.global_rank, trainer.strategy.launcher
+        reported = _reported_in_a_rank(error, launcher)
+        if reported is not None:
+            _print_error(reported)
+            raise SystemExit(1) from None
         message = refusal_message(error, trainer)
         if message is None:
             if rank == 0 and _another_rank_refused(launcher):
@@ -100,30 +101,38 @@ def report_refusals(trainer: Any, run: Callable, **kwargs: Any) -> None:
         raise SystemExit(REFUSED_EXIT) from None
 
 
-def report_in_rank(trainer: Any, run: Callable, *args: Any, **kwargs: Any) -> Any:
-    """`run(*args, **kwargs)` in a rank a multiprocessing launcher started, a refusal inside it
-    reported by the rank itself (rank 0 at once, another after REPORT_GRACE_S), which then exits
-    REFUSED_EXIT; a bug's traceback goes to torch, which hands it to the launching process."""
+def report_in_rank(reports: str, trainer: Any, run: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`run(*args, **kwargs)` in a rank a multiprocessing launcher started. A refusal's line is
+    left in the directory `reports` (`rank-<n>`) for the launching process, and the error is
+    raised on (torch hands its traceback to the launching process: a Python caller of
+    Trainer.fit gets it as before). A rank other than 0 first waits REPORT_GRACE_S, so that rank
+    0's line, if it meets the refusal too, is there before torch stops the ranks."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
         return run(*args, **kwargs)
-    except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised unless a refusal
-        rank, message = trainer.global_rank, refusal_message(error, trainer)
-        if rank != 0:  # rank 0 may meet it too (or have caused it): its report comes first
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher then stops us at once
-            time.sleep(REPORT_GRACE_S)
-        if message is None:
-            raise
-        _print_error(message if rank == 0 else f"(rank {rank}) {message}")
-        raise SystemExit(REFUSED_EXIT) from None
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - always re-raised
+        message, rank = refusal_message(error, trainer), trainer.global_rank
+        if message is not None:
+            Path(reports, f"rank-{rank}").write_text(message)
+            if rank != 0:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher may stop us at once
+                time.sleep(REPORT_GRACE_S)
+        if not isinstance(error, Exception):  # torch hands on Exceptions only; this one the rank
+            raise RuntimeError(f"{type(error).__name__}: {error}") from error  # would print itself
+        raise
 
 
-def _reported_in_a_rank(error: BaseException) -> bool:
-    """torch's word (to the launching process) that a rank ended after `report_in_rank` reported."""
-    from torch.multiprocessing import ProcessExitedException
+def _reported_in_a_rank(error: BaseException, launcher: Any) -> Optional[str]:
+    """The line to print for a refusal a forked rank left (`report_in_rank`) when torch tells the
+    launching process that a rank failed: rank 0's, else the lowest rank's, naming it."""
+    from torch.multiprocessing.spawn import ProcessException
 
-    return isinstance(error, ProcessExitedException) and error.exit_code == REFUSED_EXIT
+    refusals = getattr(launcher, "refusals", None) or {}
+    if not isinstance(error, ProcessException) or not refusals:
+        return None
+    rank = min(refusals)
+    return refusals[rank] if rank == 0 else f"(rank {rank}) {refusals[rank]}"
 
 
 def refusal_message(error: BaseException, trainer: Any = None) -> Optional[str]:
