@@ -1,5 +1,4 @@
-"""Child process of test_checkpoint_faults: 6 steps of the tiny model on 2 ranks (DP=2, the
-popen launcher, as the CLI starts them) with async saves every step (save_top_k=1, last.ckpt)
+"""Child process of test_checkpoint_faults: 6 steps of the tiny model on 2 ranks (DP=2) with async saves every step (save_top_k=1, last.ckpt)
 under `<tmp>/fast` and every 3 steps under `<tmp>/run-ckpts`, the writer slowed so that saves
 come faster than it writes. argv: tmp dir, mode:
   "slow"              finish normally (or be signalled by the test);
@@ -9,11 +8,13 @@ come faster than it writes. argv: tmp dir, mode:
   "freeze-publishing" the 2nd publication of fast/last.ckpt freezes before its rename, its
                       shards and metadata complete in the temporary directory;
   "slurm"             one rank (a single SLURM task: the test sets SLURM's environment).
+START_METHOD in the environment: how the ranks start, "popen" (default: the signal tests are
+about the ranks the CLI starts) or "fork" (the tests of what a kill leaves on disk).
 Each writer call appends a line to `<tmp>/writes` before it writes (one per save: at DP=2 every
 tensor is replicated and rank 0 writes it)."""
 
 import hashlib
-
+import os
 import sys
 import time
 from pathlib import Path
@@ -71,5 +72,6 @@ original_writer = FileSystemWriterAsync.write_preloaded_data_multithread
 FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(slow_writer)
 original_replace, checkpoint_io.replace_dir = checkpoint_io.replace_dir, replace_dir
 fast = ModelCheckpoint(dirpath=tmp / "fast", every_n_train_steps=1, save_top_k=1, save_last=True)
-fit_with_checkpoints(tmp, "run", devices=1 if mode == "slurm" else 2, start_method="popen", tensor_model_parallel_size=1,
+fit_with_checkpoints(tmp, "run", devices=1 if mode == "slurm" else 2, start_method=os.environ.get("START_METHOD", "popen"),
+                     tensor_model_parallel_size=1,
                      checkpoint=CheckpointOptions(async_save=True), callbacks=(fast,))

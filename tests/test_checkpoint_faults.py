@@ -103,7 +103,7 @@ def test_saves_faster_than_the_writer(tmp_path):
     """Each step saves step=N.ckpt (the previous one removed, maybe still being written) and
     last.ckpt (again, while the last one is written): the run finishes, only the newest
     checkpoints remain and all are complete; no temporary directory is left."""
-    child = start(tmp_path, "slow")
+    child = start(tmp_path, "slow", START_METHOD="fork")  # ranks forked: the launcher is not the subject
     out, err = child.communicate(timeout=600)
     assert child.returncode == 0, err[-3000:]
     ckpts = published(tmp_path)
@@ -118,7 +118,7 @@ def test_saves_faster_than_the_writer(tmp_path):
 def test_kill_during_an_async_save(tmp_path, mode):
     """SIGKILL while a save is written, or after it is written and before it is renamed:
     every checkpoint in place is complete and the newest resumes."""
-    child = start(tmp_path, mode)
+    child = start(tmp_path, mode, START_METHOD="fork")  # the kill takes the whole process group
     wait_for(child, (tmp_path / "frozen").exists, "the frozen save")
     os.killpg(child.pid, signal.SIGKILL)
     child.communicate()
@@ -170,33 +170,64 @@ def test_slurm_requeue_signal(tmp_path):
     assert 1 <= step < 6
 
 
-def test_a_stopped_run_leaves_no_deadline_behind():
+def forked(body) -> tuple[int, str]:
+    """`body()` in a process forked from this one (nothing to import again): its exit code
+    (SystemExit's, 1 for an error, 0 if it returns) and what it wrote to stderr."""
+    import tempfile
+    import traceback
+
+    with tempfile.TemporaryFile("w+") as err:
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            code = 1
+            try:
+                os.dup2(err.fileno(), 2)
+                sys.stderr = open(2, "w", closefd=False)  # not pytest's capture
+                body()
+                code = 0
+            except SystemExit as stop:
+                code = stop.code if isinstance(stop.code, int) else 1
+            except BaseException:  # noqa: BLE001 - reported through stderr
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        err.seek(0)
+        return os.waitstatus_to_exitcode(status), err.read()
+
+
+def test_a_stopped_run_leaves_no_deadline_behind(monkeypatch):
     """After a run stopped on a signal, the process may go on (a notebook, a script after fit):
     the deadline that ends a rank stuck after a signal goes with the run's handlers."""
-    script = ("import os, signal, time\n"
-              "from lightning_mcore.strategy import signals\n"
-              "signals.GRACE_S = 0.2\n"
-              "watch = signals.SignalWatch()\n"
-              "watch.install(None, None)\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\n"
-              "assert watch.agreed() == (signal.SIGTERM, False)\n"
-              "watch.uninstall()\n"
-              "assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
-              "time.sleep(1.0)\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    from lightning_mcore.strategy import signals
+
+    def run() -> None:
+        monkeypatch.setattr(signals, "GRACE_S", 0.2)
+        watch = signals.SignalWatch()
+        watch.install(None, None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watch.agreed() == (signal.SIGTERM, False)
+        watch.uninstall()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        time.sleep(1.0)
+
+    code, err = forked(run)
+    assert code == 0, err[-2000:]
 
 
-def test_a_rank_that_never_reaches_a_step_boundary_ends_itself():
+def test_a_rank_that_never_reaches_a_step_boundary_ends_itself(monkeypatch):
     """After a stop signal, a rank stuck where it cannot learn of it (a collective whose peer is
     gone: here a sleep) ends itself with the signal's exit code once the deadline passes."""
-    script = ("import os, signal, time\n"
-              "from lightning_mcore.strategy import signals\n"
-              "signals.GRACE_S = 0.3\n"
-              "signals.SignalWatch().install(None, None)\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\n"
-              "time.sleep(30)\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
-    assert result.stderr.strip().splitlines()[-1].startswith("error: stopped by SIGTERM, but this rank did "
-                                                            "not reach a step boundary within 0.3 s")
+    from lightning_mcore.strategy import signals
+
+    def run() -> None:
+        monkeypatch.setattr(signals, "GRACE_S", 0.3)
+        signals.SignalWatch().install(None, None)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+    code, err = forked(run)
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM, but this rank did "
+                                                   "not reach a step boundary within 0.3 s")
