@@ -13,7 +13,6 @@ about the ranks the CLI starts) or "fork" (the tests of what a kill leaves on di
 Each writer call appends a line to `<tmp>/writes` before it writes (one per save: at DP=2 every
 tensor is replicated and rank 0 writes it)."""
 
-import hashlib
 import os
 import sys
 import time
@@ -41,8 +40,8 @@ def lines(name: str) -> int:
 
 def writing(buckets, directory: str, name: str) -> bool:
     """Whether the writer's buckets go to the temporary directory of `directory/name`."""
-    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
-    return any(Path(f).parents[2] == tmp / directory and Path(f).parents[1].name.startswith(f".tmp-{digest}-")
+    prefix = checkpoint_io.temporary_prefix(name)
+    return any(Path(f).parents[2] == tmp / directory and Path(f).parents[1].name.startswith(prefix)
                for f, *_ in buckets)  # <directory>/.tmp-<digest>-<uuid>/weights/<shard>
 
 

@@ -55,12 +55,16 @@ class CheckpointOptions:
     async_save: bool = False
 
 
+def temporary_prefix(name: str) -> str:
+    """How the temporary directories of saves of checkpoint `name` begin (`temporary_path`)."""
+    return f".tmp-{hashlib.sha1(name.encode()).hexdigest()[:10]}-"
+
+
 def temporary_path(path: Path, rank: int) -> Path:
     """A temporary sibling of `path` of its own for each save, the same on every rank (rank 0
     draws it): two saves of one name (last.ckpt, while an async save of it is still writing)
     never share one."""
-    digest = hashlib.sha1(path.name.encode()).hexdigest()[:10]
-    name = [f".tmp-{digest}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
+    name = [temporary_prefix(path.name) + uuid.uuid4().hex[:8] if rank == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(name, src=0)
     return path.parent / name[0]
