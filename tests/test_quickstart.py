@@ -86,40 +86,40 @@ def test_other_warnings_still_show():
     a silenced message raised from any module but the one known to raise it."""
     import warnings
 
-    from lightning_mcore import quiet
-
     apex = "Apex is not installed. Falling back to Torch Norm"
 
+    def warn() -> None:
+        warnings.warn("a real problem")
+        warnings.warn_explicit(apex, UserWarning, "user_code.py", 1, module="user_code")
+        warnings.warn_explicit(apex, UserWarning, "backends.py", 21, module="megatron.core.models.backends")
+
     def shown(silenced: bool) -> list[tuple[str, str]]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.resetwarnings()
-            warnings.simplefilter("always")
-            if silenced:
-                quiet.install()
-            warnings.warn("a real problem")
-            warnings.warn_explicit(apex, UserWarning, "user_code.py", 1, module="user_code")
-            warnings.warn_explicit(apex, UserWarning, "backends.py", 21, module="megatron.core.models.backends")
-        return [(str(w.message), w.filename) for w in caught]
+        return [(str(w.message), w.filename) for w in caught(warn, silenced)]
 
     assert [file for _, file in shown(silenced=False)][1:] == ["user_code.py", "backends.py"]
     (mine, _), apex_shown = shown(silenced=True)
     assert mine == "a real problem" and apex_shown == (apex, "user_code.py")  # megatron's own: silenced
 
 
-def warned(action, silenced: bool) -> list[str]:
-    """The messages of the warnings `action` gives, every one shown (none filtered), or with
-    quiet.py's filters alone when `silenced`."""
+def caught(action, silenced: bool) -> list:
+    """The warnings `action` gives, every one shown (none filtered), or with quiet.py's filters
+    alone when `silenced`."""
     import warnings
 
     from lightning_mcore import quiet
 
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as shown:
         warnings.resetwarnings()
         warnings.simplefilter("always")
         if silenced:
             quiet.install()
         action()
-    return [str(w.message) for w in caught]
+    return shown
+
+
+def warned(action, silenced: bool) -> list[str]:
+    """The messages of `caught(action, silenced)`."""
+    return [str(w.message) for w in caught(action, silenced)]
 
 
 def test_lightning_advice_on_workers_is_silenced(monkeypatch):
