@@ -52,6 +52,9 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    # Gated DeltaNet and gated softmax attention alternating (both kinds on each PP=2 stage),
+    # 2 value heads per key head, RoPE on a quarter of each head.
+    "qwen3_5": lambda: (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(LINEAR_ATTENTION, head_dim=16)),
     # Multi-latent attention, YaRN, 1 dense layer then MoE with a shared expert; V3: sigmoid
     # router with a (randomised) bias, 2 groups of 2 experts, one group chosen.
     "deepseek_v3": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(DEEPSEEK, **YARN)),
@@ -61,6 +64,8 @@ FAMILIES = {
     "deepseek_v2": lambda: (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, dict(
         DEEPSEEK, q_lora_rank=None, n_group=None, topk_group=None, norm_topk_prob=False)),
 }
+LINEAR_ATTENTION = dict(linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
+                        linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * 2)
 DEEPSEEK = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                 n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,

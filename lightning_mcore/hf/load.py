@@ -20,7 +20,11 @@ _FIELDS = {"h": "hidden_size", "q": "num_attention_heads*head_dim", "kv": "num_k
            "ql": "q_lora_rank", "kvl": "kv_lora_rank", "kva": "kv_lora_rank+qk_rope_head_dim",
            "qh": "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)",
            "kvb": "num_attention_heads*(qk_nope_head_dim+v_head_dim)",
-           "o": "num_attention_heads*v_head_dim"}
+           "o": "num_attention_heads*v_head_dim", "q2": "2*num_attention_heads*head_dim",
+           "lk": "linear_num_key_heads*linear_key_head_dim",
+           "lv": "linear_num_value_heads*linear_value_head_dim", "lh": "linear_num_value_heads",
+           "lc": "2*linear_num_key_heads*linear_key_head_dim+linear_num_value_heads*linear_value_head_dim",
+           "dv": "linear_value_head_dim"}
 
 
 def dims_of(cfg, padded_vocab: int) -> Dims:

@@ -4,10 +4,11 @@ lightning_mcore/models/ builds its table from them).
 An entry names the mcore parameter (local layer spec names, inside one GPTModel chunk), the
 HF tensors it is made of, the transform between them (which also states the tensor-parallel
 dimension), and the HF shapes in symbols checked against the config before any read:
-    h hidden, q heads x head_dim, kv groups x head_dim, d head_dim, f ffn, mf expert ffn,
-    sf shared-expert ffn, V vocab, E experts, 1 one; multi-latent attention: ql / kvl q / kv
-    latent ranks, kva kv latent + RoPE dim, qh heads x q head, kvb heads x (k + v head), o heads x
-    v head.
+    h hidden, q heads x head_dim, q2 twice that (queries and their output gates), kv groups x
+    head_dim, d head_dim, f ffn, mf expert ffn, sf shared-expert ffn, V vocab, E experts, 1 one;
+    multi-latent attention: ql / kvl q / kv latent ranks, kva kv latent + RoPE dim, qh heads x
+    q head, kvb heads x (k + v head), o heads x v head; linear attention: lk key heads x key dim,
+    lv value heads x value dim, lh value heads, lc 2 lk + lv (convolution channels), dv value dim.
 `{L}` is the layer (local index in mcore names, global in HF names); `{E}` the expert (local
 to the expert-parallel rank in mcore names, global in HF names).
 """
@@ -62,6 +63,7 @@ class FusedExperts:
 TE_TO_LOCAL = (
     (re.compile(r"^(.*)self_attention\.linear_qkv\.layer_norm_weight$"), r"\1input_layernorm.weight"),
     (re.compile(r"^(.*)mlp\.linear_fc1\.layer_norm_weight$"), r"\1pre_mlp_layernorm.weight"),
+    (re.compile(r"^(.*)self_attention\.in_proj\.layer_norm_weight$"), r"\1input_layernorm.weight"),
     (re.compile(r"^(.*)self_attention\.linear_q_up_proj\.layer_norm_weight$"),
      r"\1self_attention.q_layernorm.weight"),
     (re.compile(r"^(.*)self_attention\.linear_kv_up_proj\.layer_norm_weight$"),
@@ -88,6 +90,11 @@ def shape_symbols(cfg) -> dict[str, int]:
         "mf": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, "V": cfg.vocab_size,
         "E": cfg.num_moe_experts or 0, "sf": cfg.moe_shared_expert_intermediate_size or 0, "1": 1,
     }
+    out["q2"] = 2 * out["q"]
+    if cfg.linear_attention is not None:
+        la = cfg.linear_attention
+        lk, lv = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+        out.update(lk=lk, lv=lv, lh=la.num_value_heads, lc=2 * lk + lv, dv=la.value_head_dim)
     if cfg.mla is not None:  # multi-latent attention: latent ranks and per-head q/k, v sizes
         m, n = cfg.mla, cfg.num_attention_heads
         out.update(ql=m.q_lora_rank or 0, qh=n * (m.qk_head_dim + m.qk_pos_emb_head_dim),

@@ -12,7 +12,12 @@ Fused QKV (mcore) is interleaved per query group; tensor parallelism splits whol
     groups g0 g1 | g2 g3        rank 0: [q(g0) k(g0) v(g0) q(g1) k(g1) v(g1)]
     q(g) = heads_per_group x head_dim rows, k(g) = v(g) = head_dim rows
 
-Fused SwiGLU fc1 holds [gate_i; up_i] on tensor-parallel rank i (not [gate; up] sliced).
+With an output gate (Qwen3.5), HF's q_proj holds [q_h; gate_h] per head and mcore's group is
+[q(g) gate(g) k(g) v(g)].
+
+Fused SwiGLU fc1 holds [gate_i; up_i] on tensor-parallel rank i (not [gate; up] sliced), and
+any projection made of several sections (linear attention's in_proj: q k v z b a) holds the
+i-th slice of each section on rank i (`Sections`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,20 @@ def qkv_split(fused: torch.Tensor, num_groups: int, head_dim: int):
     q_rows = per_group.shape[1] - 2 * head_dim
     q, k, v = torch.split(per_group, [q_rows, head_dim, head_dim], dim=1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def gated_q_split(q: torch.Tensor, num_heads: int):
+    """HF q_proj of an output-gated attention ([q_h; gate_h] per head) -> (q, gate)."""
+    rest = q.shape[1:]
+    pairs = q.reshape(num_heads, 2, -1, *rest)
+    return pairs[:, 0].reshape(-1, *rest), pairs[:, 1].reshape(-1, *rest)
+
+
+def gated_q_merge(q: torch.Tensor, gate: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of gated_q_split."""
+    rest = q.shape[1:]
+    pairs = torch.stack([q.reshape(num_heads, -1, *rest), gate.reshape(num_heads, -1, *rest)], dim=1)
+    return pairs.reshape(-1, *rest)
 
 
 def gate_up_shard(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -142,6 +161,67 @@ class QKV(Transform):
     def save(self, shards, names, dims):
         q, k, v = qkv_split(torch.cat(list(shards)), dims.num_groups, dims.head_dim)
         return dict(zip(names, (q, k, v)))
+
+
+class GatedQKV(Transform):
+    """q_proj ([q_h; gate_h] per head), k_proj, v_proj <-> linear_qkv of mcore's output-gated
+    attention ([q(g) gate(g) k(g) v(g)] per query group), split by query groups."""
+
+    tp_dim = 0
+
+    def load(self, reader, names, rank, size, dims):
+        g = dims.num_groups // size
+        heads = dims.num_heads // dims.num_groups * g  # this rank's
+        rows = 2 * heads * dims.head_dim
+        q, gate = gated_q_split(reader.get(names[0], 0, rank * rows, (rank + 1) * rows), heads)
+        k = reader.get(names[1], 0, rank * g * dims.head_dim, (rank + 1) * g * dims.head_dim)
+        v = reader.get(names[2], 0, rank * g * dims.head_dim, (rank + 1) * g * dims.head_dim)
+        return _per_group([q, gate, k, v], g)
+
+    def save(self, shards, names, dims):
+        fused = torch.cat(list(shards))
+        rest = fused.shape[1:]
+        per_group = fused.reshape(dims.num_groups, -1, *rest)
+        q_rows = (per_group.shape[1] - 2 * dims.head_dim) // 2
+        q, gate, k, v = (t.reshape(-1, *rest) for t in torch.split(
+            per_group, [q_rows, q_rows, dims.head_dim, dims.head_dim], dim=1))
+        return dict(zip(names, (gated_q_merge(q, gate, dims.num_heads), k, v)))
+
+
+def _per_group(parts: Sequence[torch.Tensor], groups: int) -> torch.Tensor:
+    """Tensors whose rows are in `groups` equal blocks each -> the blocks interleaved by group."""
+    rest = parts[0].shape[1:]
+    return torch.cat([p.reshape(groups, -1, *rest) for p in parts], dim=1).reshape(-1, *rest)
+
+
+class Sections(Transform):
+    """A column-parallel projection made of sections, each a row range of one HF tensor:
+    `parts` = ((tensor index, first row, rows), ...) in mcore's order. Rank i holds the i-th
+    slice of every section, in that order (e.g. linear attention's in_proj: q k v z b a)."""
+
+    tp_dim = 0
+
+    def __init__(self, parts: Sequence[tuple[int, int, int]]) -> None:
+        self.parts = tuple(tuple(p) for p in parts)
+
+    def load(self, reader, names, rank, size, dims):
+        pieces = []
+        for index, start, rows in self.parts:
+            step = rows // size
+            pieces.append(reader.get(names[index], 0, start + rank * step, start + (rank + 1) * step))
+        return torch.cat(pieces)
+
+    def save(self, shards, names, dims):
+        steps = [rows // len(shards) for _, _, rows in self.parts]
+        per_rank = [torch.split(shard, steps) for shard in shards]
+        full: dict[int, list] = {}  # HF tensor index -> [(first row, rows)]
+        for i, (index, start, _) in enumerate(self.parts):
+            full.setdefault(index, []).append((start, torch.cat([pieces[i] for pieces in per_rank])))
+        return {names[index]: torch.cat([rows for _, rows in sorted(parts, key=lambda p: p[0])])
+                for index, parts in full.items()}
+
+    def __repr__(self) -> str:
+        return f"Sections({self.parts})"
 
 
 class GateUp(Transform):

@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from lightning_mcore.model.attention import SDPAttention
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.gated_delta_net import with_linear_attention
 from lightning_mcore.model.layer_rope import add_local_rope, with_layer_rope
 from lightning_mcore.model.mla import mla_layer_spec
 from lightning_mcore.model.mrope import use_mrope
@@ -78,6 +79,8 @@ def block_spec(cfg: GPTConfig, tf_config, use_te: bool, vp_stage: Optional[int])
     n = get_num_layers_to_build(tf_config, vp_stage=vp_stage)
     layers = range(first, first + n)
     specs = [layer_spec(cfg, use_te, moe=cfg.is_moe_layer(i)) for i in layers]
+    specs = [with_linear_attention(s, use_te) if cfg.is_linear_attention_layer(i) else s
+             for s, i in zip(specs, layers)]
     if cfg.post_norms:
         specs = [with_post_norms(s, use_te) for s in specs]
     if cfg.local_rotary_base is not None:
@@ -116,6 +119,7 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional
             share_embeddings_and_output_weights=cfg.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(cfg.rotary_base),
+            rotary_percent=cfg.rotary_percent,
             vp_stage=stage,
         )
         apply_rope_scaling(model, cfg)

@@ -55,6 +55,21 @@ class VisionConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next) on the layers `layer_types` names
+    "linear_attention": a causal depthwise convolution over q/k/v, then a recurrent state per
+    value head, decayed and updated by the delta rule at each token, read out by the query and
+    gated by z through an RMSNorm (model/gated_delta_net.py). Query/key heads are shared by
+    num_value_heads // num_key_heads value heads."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int = 4
+
+
+@dataclass
 class GPTConfig:
     """Decoder-only transformer: RMSNorm, gated MLP, RoPE, GQA; the defaults are a Llama.
 
@@ -92,6 +107,12 @@ class GPTConfig:
     # is windowed when sliding_window is set.
     layer_types: Optional[list[str]] = None
     local_rotary_base: Optional[float] = None  # RoPE base of windowed layers (Gemma 3)
+    rotary_percent: float = 1.0  # RoPE on the first rotary_percent of each head's dims (Qwen3.5: 0.25)
+    # The attention output times sigmoid(gate), a per-head gate projected with the queries
+    # (Qwen3.5, Qwen3-Next); mcore's attention_output_gate.
+    attention_output_gate: bool = False
+    # Gated DeltaNet on the layers layer_types names "linear_attention" (None: no such layers)
+    linear_attention: Optional[LinearAttentionConfig] = None
     mla: Optional[MLAConfig] = None  # multi-latent attention instead of GQA
     mrope: Optional[MRoPEConfig] = None  # 3-D positions (vision-language models)
     vision: Optional[VisionConfig] = None  # a vision encoder in front of the decoder
@@ -162,6 +183,8 @@ class GPTConfig:
             self.mrope = MRoPEConfig(**self.mrope)
         if isinstance(self.vision, dict):
             self.vision = VisionConfig(**self.vision)
+        if isinstance(self.linear_attention, dict):
+            self.linear_attention = LinearAttentionConfig(**self.linear_attention)
 
     @property
     def head_dim(self) -> int:
@@ -223,6 +246,11 @@ class GPTConfig:
         if self.sliding_window is None:
             return False
         return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        """Whether 0-based `layer` is a Gated DeltaNet layer (else softmax attention)."""
+        return (self.linear_attention is not None and self.layer_types is not None
+                and self.layer_types[layer] == "linear_attention")
 
     def uses_sliding_window(self) -> bool:
         """Whether some layer's window is shorter than seq_length (inputs are never longer, so
@@ -347,7 +375,13 @@ def to_transformer_config(
         # TE's kernel keeps the logits in bf16 (mcore's saves their float32 softmax)
         cross_entropy_fusion_impl="te" if use_te and te_cross_entropy_in_fp32() else "native",
         recompute_granularity=cfg.recompute_granularity,
+        attention_output_gate=cfg.attention_output_gate,
     )
+    if cfg.linear_attention is not None:
+        la = cfg.linear_attention
+        kwargs.update(linear_conv_kernel_dim=la.conv_kernel_dim, linear_key_head_dim=la.key_head_dim,
+                      linear_value_head_dim=la.value_head_dim, linear_num_key_heads=la.num_key_heads,
+                      linear_num_value_heads=la.num_value_heads)
     if cfg.fp8 is not None:
         # "delayed" keeps mcore's amax history (1 step, most recent). NeMo's 1024 steps / max
         # ended 3% above bf16 after 200 steps on the 3B shape; this one 0.6% (benchmarks/RESULTS.md).

@@ -94,9 +94,10 @@ def gpt_config_from_hf(path_or_dict: PathOrDict, seq_length: Optional[int] = Non
         hf.refuse("max_position_embeddings", f"seq_length={seq_length} (model_overrides) is "
                   f"longer than the model was built for; use seq_length <= {longest}.")
     types = set(hf.get("layer_types") or [])
-    if types - {"full_attention", "sliding_attention"}:
-        hf.refuse("layer_types", f"layer types {sorted(types - {'full_attention', 'sliding_attention'})} "
-                  f"are not supported.")
+    known = {"full_attention", "sliding_attention"} | (
+        {"linear_attention"} if fields.get("linear_attention") is not None else set())
+    if types - known:
+        hf.refuse("layer_types", f"layer types {sorted(types - known)} are not supported.")
     if "sliding_attention" in types and fields.get("sliding_window") is None:
         hf.refuse("layer_types", "sliding_attention layers without a sliding window.")
     return GPTConfig(**{**fields, "seq_length": seq_length, **overrides}), arch.model_type

@@ -21,8 +21,8 @@ from typing import Callable, Optional, Union
 
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import Entry
-from lightning_mcore.hf.transforms import QKV, GateUp, Replicated, Split, Vocab
-from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.hf.transforms import QKV, GatedQKV, GateUp, Replicated, Sections, Split, Vocab
+from lightning_mcore.model.config import GPTConfig, LinearAttentionConfig
 from lightning_mcore.model.rope import SUPPORTED_ROPE_TYPES
 from lightning_mcore.models.architecture import HFConfig
 
@@ -38,10 +38,11 @@ ROPE_OPTIONS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention
 
 # ---------------------------------------------------------------- config.json -> GPTConfig
 def rope(hf: HFConfig, params: Optional[dict] = None,
-         kinds: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> tuple[float, Optional[dict]]:
+         kinds: tuple[str, ...] = SUPPORTED_ROPE_TYPES, partial: bool = False) -> tuple[float, Optional[dict]]:
     """(rope theta, HF-style scaling dict or None for plain RoPE), from transformers 5's
     `rope_parameters` (or `params`, one layer type's entry) or transformers 4's
-    `rope_theta` + `rope_scaling`; `kinds`: the rope types the family computes."""
+    `rope_theta` + `rope_scaling`; `kinds`: the rope types the family computes; `partial`: the
+    family rotates the first partial_rotary_factor of each head (rotary_fraction reads it)."""
     if params is not None or "rope_parameters" in hf:  # transformers 5
         params = dict(params if params is not None else hf["rope_parameters"])
         field = "rope_parameters"
@@ -54,7 +55,7 @@ def rope(hf: HFConfig, params: Optional[dict] = None,
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in kinds:
         hf.refuse(field, f"rope_type {kind!r} is not supported; supported: {', '.join(kinds)}.")
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    if not partial and rotary_fraction(hf) != 1.0:
         hf.refuse("partial_rotary_factor", "only 1 (RoPE on the whole head) is supported.")
     if theta != math.floor(theta):  # mcore's GPTModel takes rotary_base as an int
         hf.refuse("rope_theta", "a non-integer rope_theta is not supported.")
@@ -67,6 +68,12 @@ def rope(hf: HFConfig, params: Optional[dict] = None,
     return theta, {"rope_type": kind, **{k: params[k] for k in ROPE_FACTORS[kind]}, **options}
 
 
+def rotary_fraction(hf: HFConfig) -> float:
+    """partial_rotary_factor, from rope_parameters (transformers 5) or the top level."""
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+
+
 def refuse_unless(hf: HFConfig, field: str, allowed, why: str) -> None:
     """Refuse `field` when set to anything but one of `allowed` (None: the field is absent)."""
     allowed = allowed if isinstance(allowed, (tuple, list)) else (allowed,)
@@ -75,15 +82,18 @@ def refuse_unless(hf: HFConfig, field: str, allowed, why: str) -> None:
 
 
 def decoder(hf: HFConfig, act: str = "silu", rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES,
-            **fields) -> dict:
+            partial_rotary: bool = False, **fields) -> dict:
     """GPTConfig fields of a Llama-style decoder (GQA, RoPE, RMSNorm, gated MLP, no biases);
-    `fields` add or replace (e.g. add_qkv_bias=True)."""
+    `partial_rotary`: RoPE on partial_rotary_factor of each head; `fields` add or replace
+    (e.g. add_qkv_bias=True)."""
     refuse_unless(hf, "hidden_act", (act, None), f"only {act} is supported for this family.")
     if hf.get("attention_bias") and not fields.get("add_qkv_bias"):
         hf.refuse("attention_bias", "attention projection biases (incl. o_proj) are not supported.")
     if hf.get("mlp_bias"):
         hf.refuse("mlp_bias", "MLP biases are not supported.")
-    theta, scaling = rope(hf, kinds=rope_types)
+    theta, scaling = rope(hf, kinds=rope_types, partial=partial_rotary)
+    if partial_rotary:
+        fields = dict(rotary_percent=rotary_fraction(hf)) | fields
     heads = hf["num_attention_heads"]
     return dict(
         num_layers=hf["num_hidden_layers"],
@@ -111,6 +121,26 @@ def sliding_window(hf: HFConfig, windowed: Callable[[int], bool]) -> dict:
     if len(types) != layers:
         hf.refuse("layer_types", f"{len(types)} entries for num_hidden_layers={layers}.")
     return dict(sliding_window=hf["sliding_window"], layer_types=list(types))
+
+
+def linear_attention(hf: HFConfig) -> dict:
+    """GPTConfig fields of a Gated DeltaNet hybrid (Qwen3.5, Qwen3-Next): the linear-attention
+    sizes and `layer_types` ("linear_attention" / "full_attention" per layer)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:  # a config saved without layer_types: every full_attention_interval-th is full
+        interval = hf.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(types) != layers:
+        hf.refuse("layer_types", f"{len(types)} entries for num_hidden_layers={layers}.")
+    la = LinearAttentionConfig(
+        num_key_heads=hf["linear_num_key_heads"], num_value_heads=hf["linear_num_value_heads"],
+        key_head_dim=hf["linear_key_head_dim"], value_head_dim=hf["linear_value_head_dim"],
+        conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4))
+    if la.num_value_heads % la.num_key_heads:
+        hf.refuse("linear_num_value_heads", f"must be a multiple of linear_num_key_heads "
+                                            f"({la.num_key_heads}).")
+    return dict(linear_attention=la, layer_types=list(types))
 
 
 def num_experts(hf: HFConfig) -> int:
@@ -155,6 +185,7 @@ VARIANT_FIELDS = (
     "mla", "mrope", "vision", "num_moe_experts", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+    "rotary_percent", "attention_output_gate", "linear_attention",
 )
 _DEFAULTS = GPTConfig()
 
@@ -208,6 +239,14 @@ def sliding_window_hf(cfg: GPTConfig) -> dict:
     return out
 
 
+def linear_attention_hf(cfg: GPTConfig) -> dict:
+    """transformers config kwargs of a Gated DeltaNet hybrid."""
+    la = cfg.linear_attention
+    return dict(layer_types=list(cfg.layer_types), linear_conv_kernel_dim=la.conv_kernel_dim,
+                linear_key_head_dim=la.key_head_dim, linear_value_head_dim=la.value_head_dim,
+                linear_num_key_heads=la.num_key_heads, linear_num_value_heads=la.num_value_heads)
+
+
 def moe_hf(cfg: GPTConfig) -> dict:
     return dict(
         num_experts_per_tok=cfg.moe_router_topk,
@@ -259,6 +298,37 @@ def attention(qkv_bias: bool = False, qk_norm: bool = False, attn: str = "self_a
         out += [norm("self_attention.q_layernorm.weight", f"{attn}q_norm.weight", "d"),
                 norm("self_attention.k_layernorm.weight", f"{attn}k_norm.weight", "d")]
     return out
+
+
+def gated_attention(attn: str = "self_attn.") -> list[Entry]:
+    """Attention with per-head q/k norms whose q_proj also projects a per-head output gate
+    ([q_h; gate_h] per head; mcore's attention_output_gate), and the layer's two norms."""
+    plain = [e for e in attention(qk_norm=True, attn=attn) if not e.mcore.endswith("linear_qkv.weight")]
+    return plain + [Entry(M + "self_attention.linear_qkv.weight",
+                          tuple(H + f"{attn}{p}_proj.weight" for p in "qkv"), GatedQKV(),
+                          (("q2", "h"), ("kv", "h"), ("kv", "h")))]
+
+
+def gated_delta_net(cfg: GPTConfig, in_proj: tuple[str, ...], attn: str = "linear_attn.") -> list[Entry]:
+    """A Gated DeltaNet layer (model/gated_delta_net.py). `in_proj`: the HF projections that
+    make mcore's in_proj [q k v z b a], either ("in_proj_qkv", "in_proj_z", "in_proj_b",
+    "in_proj_a") (Qwen3.5). Its output norm is a plain RMSNorm (weight as HF stores it)."""
+    la = cfg.linear_attention
+    k, v, heads = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim, la.num_value_heads
+    conv = ((0, 0, k), (0, k, k), (0, 2 * k, v))
+    names = tuple(H + f"{attn}{n}.weight" for n in in_proj)
+    return [
+        Entry(M + "self_attention.in_proj.weight", names,
+              Sections(conv + ((1, 0, v), (2, 0, heads), (3, 0, heads))),
+              (("lc", "h"), ("lv", "h"), ("lh", "h"), ("lh", "h"))),
+        Entry(M + "self_attention.conv1d.weight", (H + f"{attn}conv1d.weight",), Sections(conv),
+              (("lc", "1", str(la.conv_kernel_dim)),)),
+        Entry(M + "self_attention.A_log", (H + f"{attn}A_log",), Split(0), (("lh",),)),
+        Entry(M + "self_attention.dt_bias", (H + f"{attn}dt_bias",), Split(0), (("lh",),)),
+        norm("self_attention.out_norm.weight", f"{attn}norm.weight", "dv"),
+        Entry(M + "self_attention.out_proj.weight", (H + f"{attn}out_proj.weight",), Split(1),
+              (("h", "lv"),)),
+    ]
 
 
 def gated_mlp(mcore: str, hf: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),

@@ -1,0 +1,47 @@
+"""Qwen3.5, text only (Qwen3_5ForCausalLM, model_type qwen3_5_text): a hybrid stack of Gated
+DeltaNet linear-attention layers (model/gated_delta_net.py) and, every few layers
+(`layer_types`), softmax attention whose q_proj also projects a per-head output gate
+(attention output * sigmoid(gate)); per-head q/k norms, RoPE on the first
+partial_rotary_factor of each head, RMSNorms that scale by (1 + weight) (the linear layers'
+output norm excepted), a dense SwiGLU MLP.
+
+Its rope_parameters may carry mrope_section / mrope_interleaved (the multimodal model's 3-D
+positions): text has one position per token, on which they rotate as plain RoPE.
+"""
+
+from __future__ import annotations
+
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.models import parts
+from lightning_mcore.models.architecture import Architecture
+
+IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+class Qwen3_5(Architecture):
+    hf_class, model_type, config_class = "Qwen3_5ForCausalLM", "qwen3_5_text", "Qwen3_5TextConfig"
+    required = ("intermediate_size", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    in_proj = IN_PROJ
+
+    def gpt_config(self, hf):
+        parts.refuse_unless(hf, "hidden_act", ("silu", None), "only silu is supported.")
+        return parts.decoder(hf, partial_rotary=True, qk_layernorm=True, zero_centered_norm=True,
+                             attention_output_gate=True) | parts.linear_attention(hf)
+
+    def hf_config(self, cfg):
+        if cfg.linear_attention is None:
+            raise HFCheckpointError(f"{self.model_type} needs GPTConfig.linear_attention.")
+        parts.expressible(cfg, self.model_type, free=("layer_types", "linear_attention", "rotary_percent"),
+                          qk_layernorm=True, zero_centered_norm=True, attention_output_gate=True)
+        kwargs = parts.decoder_hf(cfg) | parts.linear_attention_hf(cfg)
+        kwargs.pop("rope_scaling")
+        return kwargs | dict(rope_parameters={"rope_type": "default", "rope_theta": kwargs.pop("rope_theta"),
+                                              "partial_rotary_factor": cfg.rotary_percent})
+
+    def weights(self, cfg):
+        return (parts.ends(cfg.tie_word_embeddings) + parts.gated_attention()
+                + parts.gated_delta_net(cfg, self.in_proj) + parts.dense_mlp())
+
+
+ARCHITECTURE = Qwen3_5()
