@@ -55,6 +55,11 @@ FAMILIES = {
     # Gated DeltaNet and gated softmax attention alternating (both kinds on each PP=2 stage),
     # 2 value heads per key head, RoPE on a quarter of each head.
     "qwen3_5": lambda: (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(LINEAR_ATTENTION, head_dim=16)),
+    "qwen3_5_moe": lambda: (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(
+        **LINEAR_ATTENTION, **QWEN_NEXT_MOE, head_dim=16)),
+    # in_proj_qkvz / in_proj_ba per key head; layer 2 dense, top-k not renormalised
+    "qwen3_next": lambda: (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(
+        **LINEAR_ATTENTION, **QWEN_NEXT_MOE, head_dim=16, mlp_only_layers=[2], norm_topk_prob=False)),
     # Multi-latent attention, YaRN, 1 dense layer then MoE with a shared expert; V3: sigmoid
     # router with a (randomised) bias, 2 groups of 2 experts, one group chosen.
     "deepseek_v3": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(DEEPSEEK, **YARN)),
@@ -66,6 +71,8 @@ FAMILIES = {
 }
 LINEAR_ATTENTION = dict(linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
                         linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * 2)
+QWEN_NEXT_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48)
 DEEPSEEK = dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
                 qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                 n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32,

@@ -24,7 +24,9 @@ _FIELDS = {"h": "hidden_size", "q": "num_attention_heads*head_dim", "kv": "num_k
            "lk": "linear_num_key_heads*linear_key_head_dim",
            "lv": "linear_num_value_heads*linear_value_head_dim", "lh": "linear_num_value_heads",
            "lc": "2*linear_num_key_heads*linear_key_head_dim+linear_num_value_heads*linear_value_head_dim",
-           "dv": "linear_value_head_dim"}
+           "dv": "linear_value_head_dim",
+           "lc+lv": "2*linear_num_key_heads*linear_key_head_dim+2*linear_num_value_heads*linear_value_head_dim",
+           "2lh": "2*linear_num_value_heads"}
 
 
 def dims_of(cfg, padded_vocab: int) -> Dims:

@@ -224,6 +224,47 @@ class Sections(Transform):
         return f"Sections({self.parts})"
 
 
+class KeyHeadGroups(Transform):
+    """HF projections laid out per key head, g = 0..groups-1: tensor i holds for each g the
+    sub-blocks of row sizes `blocks[i]` (Qwen3-Next's in_proj_qkvz [q_g k_g v_g z_g] and
+    in_proj_ba [b_g a_g]) <-> mcore's sections, each sub-block kind over all of this rank's
+    groups, in tensor then sub-block order (in_proj: [q | k | v | z | b | a]). TP splits whole
+    key-head groups, dim 0."""
+
+    tp_dim = 0
+
+    def __init__(self, groups: int, blocks: Sequence[Sequence[int]]) -> None:
+        self.groups, self.blocks = groups, tuple(tuple(b) for b in blocks)
+
+    def load(self, reader, names, rank, size, dims):
+        g = self.groups // size
+        sections = []
+        for name, blocks in zip(names, self.blocks):
+            per = sum(blocks)
+            rows = reader.get(name, 0, rank * g * per, (rank + 1) * g * per)
+            grouped = rows.reshape(g, per, *rows.shape[1:])
+            sections += [b.reshape(-1, *rows.shape[1:]) for b in torch.split(grouped, blocks, dim=1)]
+        return torch.cat(sections)
+
+    def save(self, shards, names, dims):
+        g = self.groups // len(shards)
+        sizes = [g * b for blocks in self.blocks for b in blocks]
+        per_rank = [torch.split(shard, sizes) for shard in shards]
+        out, first = {}, 0
+        for name, blocks in zip(names, self.blocks):
+            ranks = []
+            for pieces in per_rank:
+                mine = pieces[first:first + len(blocks)]
+                rest = mine[0].shape[1:]
+                ranks.append(torch.cat([p.reshape(g, -1, *rest) for p in mine], dim=1).reshape(-1, *rest))
+            out[name] = torch.cat(ranks)
+            first += len(blocks)
+        return out
+
+    def __repr__(self) -> str:
+        return f"KeyHeadGroups({self.groups}, {self.blocks})"
+
+
 class GateUp(Transform):
     """gate_proj, up_proj <-> linear_fc1 ([gate_i; up_i] on rank i)."""
 

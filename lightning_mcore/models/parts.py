@@ -21,7 +21,16 @@ from typing import Callable, Optional, Union
 
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import Entry
-from lightning_mcore.hf.transforms import QKV, GatedQKV, GateUp, Replicated, Sections, Split, Vocab
+from lightning_mcore.hf.transforms import (
+    QKV,
+    GatedQKV,
+    GateUp,
+    KeyHeadGroups,
+    Replicated,
+    Sections,
+    Split,
+    Vocab,
+)
 from lightning_mcore.model.config import GPTConfig, LinearAttentionConfig
 from lightning_mcore.model.rope import SUPPORTED_ROPE_TYPES
 from lightning_mcore.models.architecture import HFConfig
@@ -309,18 +318,28 @@ def gated_attention(attn: str = "self_attn.") -> list[Entry]:
                           (("q2", "h"), ("kv", "h"), ("kv", "h")))]
 
 
-def gated_delta_net(cfg: GPTConfig, in_proj: tuple[str, ...], attn: str = "linear_attn.") -> list[Entry]:
-    """A Gated DeltaNet layer (model/gated_delta_net.py). `in_proj`: the HF projections that
-    make mcore's in_proj [q k v z b a], either ("in_proj_qkv", "in_proj_z", "in_proj_b",
-    "in_proj_a") (Qwen3.5). Its output norm is a plain RMSNorm (weight as HF stores it)."""
+def gated_delta_net(cfg: GPTConfig, grouped: bool = False, attn: str = "linear_attn.") -> list[Entry]:
+    """A Gated DeltaNet layer (model/gated_delta_net.py), its in_proj [q k v z b a] made of
+    in_proj_qkv, in_proj_z, in_proj_b and in_proj_a (Qwen3.5), or with `grouped` of
+    in_proj_qkvz and in_proj_ba laid out per key head (Qwen3-Next). Its output norm is a plain
+    RMSNorm (the weight as HF stores it)."""
     la = cfg.linear_attention
     k, v, heads = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim, la.num_value_heads
     conv = ((0, 0, k), (0, k, k), (0, 2 * k, v))
-    names = tuple(H + f"{attn}{n}.weight" for n in in_proj)
+    if grouped:
+        per_k = la.num_value_heads // la.num_key_heads  # value heads per key head
+        names = tuple(H + f"{attn}{n}.weight" for n in ("in_proj_qkvz", "in_proj_ba"))
+        dk, dv = la.key_head_dim, la.value_head_dim
+        in_proj = Entry(M + "self_attention.in_proj.weight", names, KeyHeadGroups(
+            la.num_key_heads, ((dk, dk, per_k * dv, per_k * dv), (per_k, per_k))),
+            (("lc+lv", "h"), ("2lh", "h")))
+    else:
+        names = tuple(H + f"{attn}{n}.weight" for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+        in_proj = Entry(M + "self_attention.in_proj.weight", names,
+                        Sections(conv + ((1, 0, v), (2, 0, heads), (3, 0, heads))),
+                        (("lc", "h"), ("lv", "h"), ("lh", "h"), ("lh", "h")))
     return [
-        Entry(M + "self_attention.in_proj.weight", names,
-              Sections(conv + ((1, 0, v), (2, 0, heads), (3, 0, heads))),
-              (("lc", "h"), ("lv", "h"), ("lh", "h"), ("lh", "h"))),
+        in_proj,
         Entry(M + "self_attention.conv1d.weight", (H + f"{attn}conv1d.weight",), Sections(conv),
               (("lc", "1", str(la.conv_kernel_dim)),)),
         Entry(M + "self_attention.A_log", (H + f"{attn}A_log",), Split(0), (("lh",),)),

@@ -15,14 +15,11 @@ from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.models import parts
 from lightning_mcore.models.architecture import Architecture
 
-IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-
-
 class Qwen3_5(Architecture):
     hf_class, model_type, config_class = "Qwen3_5ForCausalLM", "qwen3_5_text", "Qwen3_5TextConfig"
     required = ("intermediate_size", "num_key_value_heads", "head_dim", "linear_num_key_heads",
                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-    in_proj = IN_PROJ
+    grouped_in_proj = False  # in_proj_qkvz / in_proj_ba per key head (Qwen3-Next)
 
     def gpt_config(self, hf):
         parts.refuse_unless(hf, "hidden_act", ("silu", None), "only silu is supported.")
@@ -30,9 +27,14 @@ class Qwen3_5(Architecture):
                              attention_output_gate=True) | parts.linear_attention(hf)
 
     def hf_config(self, cfg):
+        return self.hybrid_hf(cfg)
+
+    def hybrid_hf(self, cfg, free: tuple[str, ...] = ()) -> dict:
+        """transformers config kwargs of the hybrid decoder; `free`: fields a subclass sets."""
         if cfg.linear_attention is None:
             raise HFCheckpointError(f"{self.model_type} needs GPTConfig.linear_attention.")
-        parts.expressible(cfg, self.model_type, free=("layer_types", "linear_attention", "rotary_percent"),
+        parts.expressible(cfg, self.model_type,
+                          free=("layer_types", "linear_attention", "rotary_percent") + free,
                           qk_layernorm=True, zero_centered_norm=True, attention_output_gate=True)
         kwargs = parts.decoder_hf(cfg) | parts.linear_attention_hf(cfg)
         kwargs.pop("rope_scaling")
@@ -41,7 +43,10 @@ class Qwen3_5(Architecture):
 
     def weights(self, cfg):
         return (parts.ends(cfg.tie_word_embeddings) + parts.gated_attention()
-                + parts.gated_delta_net(cfg, self.in_proj) + parts.dense_mlp())
+                + parts.gated_delta_net(cfg, self.grouped_in_proj) + self.mlp(cfg))
+
+    def mlp(self, cfg):
+        return parts.dense_mlp()
 
 
 ARCHITECTURE = Qwen3_5()

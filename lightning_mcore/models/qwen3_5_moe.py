@@ -1,0 +1,65 @@
+"""Qwen3.5-MoE, text only (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text): Qwen3.5's
+hybrid attention stack (models/qwen3_5.py) with a mixture of experts on every layer: a softmax
+top-k router whose chosen probabilities are always renormalised, routed experts of
+moe_intermediate_size, and a shared expert of shared_expert_intermediate_size scaled by
+sigmoid(shared_expert_gate . x)."""
+
+from __future__ import annotations
+
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.hf.mappings import FusedExperts
+from lightning_mcore.models import parts
+from lightning_mcore.models.architecture import HFConfig
+from lightning_mcore.models.qwen3_5 import Qwen3_5
+
+
+class Qwen3_5Moe(Qwen3_5):
+    hf_class, model_type, config_class = "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "Qwen3_5MoeTextConfig"
+    required = ("num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "shared_expert_intermediate_size")
+    # transformers 5: gate_up_proj [E, 2f, h], down_proj [E, h, f]
+    peft_experts = FusedExperts("model.layers.{L}.mlp.experts",
+                                (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))
+
+    def gpt_config(self, hf):
+        for field in ("num_experts", "shared_expert_intermediate_size"):
+            if hf[field] < 1:
+                hf.refuse(field, "must be positive: a model without (shared) experts is not "
+                                 "supported by this family.")
+        # No dense layers: intermediate_size (absent from this config) is the experts' width.
+        dense = HFConfig(hf.data | {"intermediate_size": hf.get("intermediate_size", hf["moe_intermediate_size"])},
+                         hf.source)
+        return super().gpt_config(dense) | self.experts(hf)
+
+    def experts(self, hf) -> dict:
+        return parts.moe(hf, hf["num_experts"], moe_router_pre_softmax=False,
+                         moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                         moe_shared_expert_gate=True)
+
+    def hf_config(self, cfg):
+        if not cfg.num_moe_experts or not cfg.moe_shared_expert_intermediate_size:
+            raise HFCheckpointError(f"{self.model_type} needs num_moe_experts and "
+                                    f"moe_shared_expert_intermediate_size.")
+        if cfg.moe_router_pre_softmax:
+            raise HFCheckpointError(f"{self.model_type} renormalises the top-k probabilities: needs "
+                                    f"moe_router_pre_softmax=False.")
+        kwargs = self.hybrid_hf(cfg, free=self.moe_fields)
+        kwargs.pop("intermediate_size")
+        return kwargs | self.experts_hf(cfg)
+
+    moe_fields = ("num_moe_experts", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+
+    def experts_hf(self, cfg) -> dict:
+        if not cfg.moe_shared_expert_gate or any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+            raise HFCheckpointError(f"{self.model_type} has a gated shared expert and experts on every layer.")
+        moe = parts.moe_hf(cfg)
+        moe.pop("norm_topk_prob")
+        return moe | dict(num_experts=cfg.num_moe_experts,
+                          shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
+
+    def mlp(self, cfg):
+        return parts.experts(parts.H + "mlp.experts.{E}.") + parts.shared_expert()
+
+
+ARCHITECTURE = Qwen3_5Moe()
