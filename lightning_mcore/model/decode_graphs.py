@@ -40,6 +40,8 @@ def graphs_unavailable(strategy, cfg) -> str:
         return "tensor parallelism (graphs with the TP collectives inside are unverified)"
     if cfg.num_moe_experts:
         return "MoE layers (the token dispatcher synchronizes with the host)"
+    if cfg.linear_attention is not None:
+        return "linear-attention layers (their recurrent state is not captured yet)"
     return ""
 
 

@@ -80,12 +80,17 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_gr
 
 
 def new_context(chunk, rows: int, max_length: int, device):
-    """mcore's StaticInferenceContext for `chunk`, with its K/V buffers allocated on `device`."""
+    """mcore's StaticInferenceContext for `chunk`, with its K/V buffers allocated on `device`
+    (a linear-attention layer keeps its convolution window and recurrent state there instead)."""
     from megatron.core.inference.contexts import StaticInferenceContext
     from megatron.core.transformer.attention import Attention
 
+    from lightning_mcore.model.gated_delta_net import GatedDeltaNet
+
     context = StaticInferenceContext(rows, max_length)
     for module in chunk.modules():
+        if isinstance(module, GatedDeltaNet):
+            context.key_value_memory_dict[module.layer_number] = module.state_buffers(rows, device)
         if isinstance(module, Attention):
             weight = next(module.parameters())
             shape = (max_length, rows, module.num_query_groups_per_partition)

@@ -266,12 +266,40 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
             f"supported. Use context_parallel_size=1, or seq_length <= {model.sliding_window}.",
             options=("context_parallel_size",), fields=("sliding_window", "seq_length"),
         )
+    if model.linear_attention is not None:
+        _validate_linear_attention(p, model)
     if p.sequence_parallel and model.seq_length % tp:
         raise LayoutError(
             f"sequence_parallel splits seq_length ({model.seq_length}) over "
             f"tensor_model_parallel_size ({tp}); make it divisible.",
             options=("sequence_parallel", "tensor_model_parallel_size"), fields=("seq_length",),
         )
+
+
+def _validate_linear_attention(p: ParallelConfig, model: "GPTConfig") -> None:
+    """Gated DeltaNet layers (model/gated_delta_net.py) split their key and value heads over
+    tensor-parallel ranks; their output norm (one weight per value-head dimension, on every
+    rank) then gets a share of its gradient on each rank, which mcore sums over TP only for
+    sequence-parallel weights. Context parallelism would need the recurrence passed between
+    ranks, which this torch implementation does not do."""
+    la, tp, cp = model.linear_attention, p.tensor_model_parallel_size, p.context_parallel_size
+    for heads, field in ((la.num_key_heads, "num_key_heads"), (la.num_value_heads, "num_value_heads")):
+        if heads % tp:
+            raise LayoutError(
+                f"linear_attention.{field} ({heads}; linear_{field} in a Hugging Face config.json) "
+                f"is not divisible by tensor_model_parallel_size ({tp}). Use a tensor-parallel size "
+                f"that divides it.", options=("tensor_model_parallel_size",), fields=("linear_attention",))
+    if tp > 1 and not p.sequence_parallel:
+        raise LayoutError(
+            f"a model with linear-attention layers at tensor_model_parallel_size={tp} needs "
+            f"sequence_parallel=True (their output norm's gradient is summed over tensor-parallel "
+            f"ranks only then). Set sequence_parallel=True.",
+            options=("sequence_parallel", "tensor_model_parallel_size"), fields=("linear_attention",))
+    if cp > 1:
+        raise LayoutError(
+            f"context_parallel_size={cp} is not supported for models with linear-attention layers "
+            f"(the recurrent state would have to pass between ranks). Use context_parallel_size=1.",
+            options=("context_parallel_size",), fields=("linear_attention",))
 
 
 def _validate_widths(p: ParallelConfig, model: "GPTConfig") -> None:
