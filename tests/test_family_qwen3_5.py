@@ -3,6 +3,7 @@ logits equal transformers' at TP=1, TP=2 with sequence parallelism, PP=2 (linear
 attention on both stages), EP=2 (MoE) and DP=2; the export is bit-identical."""
 
 import pytest
+import torch
 
 from hf_models import make_hf_model
 
@@ -47,3 +48,50 @@ def test_cached_generation_equals_transformers_greedy(tmp_path):
     got = run(tmp_path, str(source), 2, "next_ep2", expert_model_parallel_size=2)
     check_one_layout(got)
     assert got["greedy"] == want
+
+
+ATTENTION = ["linear_qkv", "linear_proj", "in_proj", "out_proj"]
+LORA_CASES = {  # family: (strategy layout, LoRA targets, rows per data-parallel rank)
+    "qwen3_5": (dict(tensor_model_parallel_size=2, sequence_parallel=True), "all-linear", 4),
+    # peft would load MLP adapters of this MoE wrong (refused; they export merged)
+    "qwen3_next": (dict(expert_model_parallel_size=2), ATTENTION, 2),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", list(LORA_CASES))
+def test_lora_exports_a_peft_adapter_with_equal_logits(family, tmp_path):
+    """LoRA on the linear-attention in_proj/out_proj and the attention (and Qwen3.5's MLP),
+    trained a few steps; the PEFT export loads into transformers' model with our logits."""
+    import json
+
+    import lightning as L
+    from peft import PeftModel
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    from hf_models import hf_logits
+    from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
+    from lightning_mcore.model.lora import LoRAConfig
+    from test_family_gemma3 import LoRAProbe, tokens
+    from toy import TokenRows
+
+    parallel, targets, rows = LORA_CASES[family]
+    source = tmp_path / "source"
+    hf = make_hf_model(family, source)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[LoRAProbe(tmp_path)],
+        strategy=MegatronStrategy(global_batch_size=4, micro_batch_size=2, start_method="fork", **parallel))
+    module = PretrainModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0),
+                            model_overrides={"seq_length": 32},
+                            lora=LoRAConfig(target_modules=targets, rank=4, alpha=8.0))
+    trainer.fit(module, DataLoader(TokenRows(n=16, seq=32, vocab=200), batch_size=rows))
+
+    ours = torch.load(tmp_path / "logits.pt")
+    assert (ours - hf_logits(hf, tokens())).abs().max() > 1e-3, "the adapters changed nothing"
+    written = set(json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["target_modules"])
+    assert {"out_proj", "o_proj", "q_proj"} <= written, written
+    assert {"in_proj_qkv", "in_proj_z"} <= written or {"in_proj_qkvz", "in_proj_ba"} <= written
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
+    assert (hf_logits(peft_model.eval(), tokens()) - ours).abs().max().item() <= 1e-4

@@ -77,6 +77,10 @@ TARGETS = {
     "linear_q_up_proj": ("column", ("q_b_proj",)),
     "linear_kv_down_proj": ("column", ("kv_a_proj_with_mqa",)),
     "linear_kv_up_proj": ("column", ("kv_b_proj",)),
+    # linear attention (Gated DeltaNet; Qwen3.5's HF names: Qwen3-Next fuses them as
+    # in_proj_qkvz and in_proj_ba, which the export writes)
+    "in_proj": ("column", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+    "out_proj": ("row", ("out_proj",)),
 }
 
 

@@ -18,7 +18,10 @@ class Qwen3_5Moe(Qwen3_5):
     required = ("num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "shared_expert_intermediate_size")
-    # transformers 5: gate_up_proj [E, 2f, h], down_proj [E, h, f]
+    # transformers 5: gate_up_proj [E, 2f, h], down_proj [E, h, f]. peft takes the
+    # gate/up/down_proj targets for these fused experts (seen on Qwen3-Next: gate_up_proj's rank
+    # doubled, the shared expert's adapters dropped): MLP adapters export merged only.
+    peft_misreads_mlp = True
     peft_experts = FusedExperts("model.layers.{L}.mlp.experts",
                                 (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))
 
