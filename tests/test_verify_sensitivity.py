@@ -72,6 +72,12 @@ CORRUPTIONS = [
     ("qwen2_moe", "model.layers.1.mlp.shared_expert.down_proj.weight", "scale:2", "model.layers.1"),
     ("gemma3", "model.layers.2.post_feedforward_layernorm.weight", "scale:1.01", "model.layers.2"),
     ("gemma3", "model.layers.1.self_attn.o_proj.weight", "swap", "model.layers.1"),
+    ("qwen3_5", "model.layers.0.linear_attn.in_proj_qkv.weight", "swap", "model.layers.0"),
+    ("qwen3_5", "model.layers.2.linear_attn.A_log", "scale:1.5", "model.layers.2"),
+    ("qwen3_5", "model.layers.1.self_attn.q_proj.weight", "swap", "model.layers.1"),  # a query and a gate row
+    ("qwen3_next", "model.layers.0.linear_attn.in_proj_qkvz.weight", "swap", "model.layers.0"),
+    ("qwen3_next", "model.layers.2.linear_attn.conv1d.weight", "scale:2", "model.layers.2"),
+    ("qwen3_next", "model.layers.3.mlp.experts.1.down_proj.weight", "scale:2", "model.layers.3"),
 ]
 FAMILIES = sorted({family for family, *_ in CORRUPTIONS})
 
