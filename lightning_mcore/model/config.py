@@ -381,7 +381,9 @@ def to_transformer_config(
         la = cfg.linear_attention
         kwargs.update(linear_conv_kernel_dim=la.conv_kernel_dim, linear_key_head_dim=la.key_head_dim,
                       linear_value_head_dim=la.value_head_dim, linear_num_key_heads=la.num_key_heads,
-                      linear_num_value_heads=la.num_value_heads)
+                      linear_num_value_heads=la.num_value_heads,
+                      # layers of two kinds: checkpoint keys per layer, not stacked over layers
+                      hetereogenous_dist_checkpoint=True)
     if cfg.fp8 is not None:
         # "delayed" keeps mcore's amax history (1 step, most recent). NeMo's 1024 steps / max
         # ended 3% above bf16 after 200 steps on the 3B shape; this one 0.6% (benchmarks/RESULTS.md).
