@@ -141,18 +141,21 @@ def export_checkpoint(
                       hf_config,
                       output, saved.padded_vocab_size,
                       source_dir=source, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
-                      tokenizer_dir=saved.tokenizer_path, protected=protected)
+                      tokenizer_dir=saved.tokenizer_path, protected=protected,
+                      carried=models.carried(saved.hf_family))
     return Path(output).expanduser().resolve()
 
 
 def _load_base(chunks, saved, base, weights) -> None:
+    from lightning_mcore import models
     from lightning_mcore.hf.load import load_hf_weights
     from lightning_mcore.strategy import checkpoint_io
 
     if checkpoint_io.is_checkpoint(base):
         checkpoint_io.load_model(base, chunks)
     else:
-        load_hf_weights(chunks, base, saved.config, weights, saved.padded_vocab_size)
+        load_hf_weights(chunks, base, saved.config, weights, saved.padded_vocab_size,
+                        carried=models.carried(saved.hf_family))
 
 
 def describe(directory: Path) -> str:

@@ -152,3 +152,29 @@ def test_packed_batch_equals_one_sample_per_row(tmp_path):
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (name, loss, ref_loss)
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
+
+
+def add_mtp_layer(source) -> None:
+    """What the published Qwen3-Next / Qwen3.5 checkpoints add: a multi-token-prediction layer
+    (mtp.*, in bf16 beside an fp32 model here, so a conversion would show) and its config field."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(source / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    weights.update({name: torch.randn(shape, generator=gen).to(torch.bfloat16) for name, shape in (
+        ("mtp.fc.weight", (64, 128)), ("mtp.norm.weight", (64,)),
+        ("mtp.layers.0.self_attn.q_proj.weight", (128, 64)),
+        ("mtp.layers.0.mlp.experts.0.down_proj.weight", (64, 32)))})
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"mtp_num_hidden_layers": 1}))
+
+
+@pytest.mark.distributed
+def test_published_mtp_layer_is_carried_through_to_the_export(tmp_path):
+    """A checkpoint with its MTP layer loads (nothing of it is dropped silently: it is kept) and
+    the export holds the MTP tensors bit for bit, at TP=2 + SP."""
+    check_logits_and_export("qwen3_next", "tp2_sp", tmp_path, seq=SEQ, layouts=LAYOUTS,
+                            prepare=add_mtp_layer)

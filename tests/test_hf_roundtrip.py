@@ -51,11 +51,14 @@ def tensors(directory: Path) -> dict:
 
 
 def check_logits_and_export(family: str, layout: str, tmp_path, seq: int = 24,
-                            layouts: dict = LAYOUTS, **module_kwargs) -> None:
+                            layouts: dict = LAYOUTS, prepare=None, **module_kwargs) -> None:
     """Our logits of a tiny `family` model at `layout` equal transformers' within 1e-4; the
-    export is bit-identical and transformers reloads it with no missing/unexpected keys."""
+    export is bit-identical and transformers reloads it with no missing/unexpected keys.
+    `prepare(source)` may change the saved checkpoint first (without changing its logits)."""
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
+    if prepare is not None:
+        prepare(source)
     tokens = torch.randint(0, hf.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
     expected = hf_logits(hf, tokens)
 

@@ -22,7 +22,10 @@ from lightning_mcore.models import gpt_config_from_hf
 from lightning_mcore.hf.transforms import (
     QKV,
     Dims,
+    GatedQKV,
     GateUp,
+    KeyHeadGroups,
+    Sections,
     Replicated,
     Split,
     Vocab,
@@ -244,10 +247,79 @@ def test_safetensors_reader_serves_the_slices_the_transforms_ask_for(tmp_path):
 
 
 # ---------------------------------------------------------------- mapping tables
-NAMES_PER_TRANSFORM = {QKV: 3, GateUp: 2, Split: 1, Vocab: 1, Replicated: 1}
+NAMES_PER_TRANSFORM = {QKV: 3, GatedQKV: 3, GateUp: 2, Split: 1, Vocab: 1, Replicated: 1}
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")  # those EXPECTED below covers
+
+
+# ---------------------------------------------------------------- linear attention, gated q
+@pytest.mark.parametrize("groups,tp", [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_gated_qkv_shard_holds_each_group_queries_gates_keys_values(groups, tp):
+    """HF q_proj rows per head: head_dim query rows, then head_dim gate rows."""
+    q_proj = distinct(2 * HEADS * HEAD_DIM, HIDDEN)
+    k, v = distinct(groups * HEAD_DIM, HIDDEN, base=1000.0), distinct(groups * HEAD_DIM, HIDDEN, base=2000.0)
+    names = ("q", "k", "v")
+    d = dims(heads=HEADS, groups=groups, head_dim=HEAD_DIM)
+    per_group = HEADS // groups
+    shards = []
+    for rank in range(tp):
+        rows = []
+        for g in range(rank * groups // tp, (rank + 1) * groups // tp):
+            heads = range(g * per_group, (g + 1) * per_group)
+            rows += [q_proj[2 * h * HEAD_DIM + i] for h in heads for i in range(HEAD_DIM)]
+            rows += [q_proj[(2 * h + 1) * HEAD_DIM + i] for h in heads for i in range(HEAD_DIM)]
+            rows += [k[g * HEAD_DIM + i] for i in range(HEAD_DIM)] + [v[g * HEAD_DIM + i] for i in range(HEAD_DIM)]
+        got = GatedQKV().load(FakeReader(dict(zip(names, (q_proj, k, v)))), names, rank, tp, d)
+        assert torch.equal(got, torch.stack(rows))
+        shards.append(got)
+    saved = GatedQKV().save(shards, names, d)
+    assert all(torch.equal(saved[n], t) for n, t in zip(names, (q_proj, k, v)))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sections_shard_holds_each_sections_rank_slice_in_order(tp):
+    """Linear attention's in_proj from Qwen3.5's in_proj_qkv [q; k; v], in_proj_z, _b, _a."""
+    qk, v, heads = 4, 6, 2
+    tensors = {"qkv": distinct(2 * qk + v, HIDDEN), "z": distinct(v, HIDDEN, base=1000.0),
+               "b": distinct(heads, HIDDEN, base=2000.0), "a": distinct(heads, HIDDEN, base=3000.0)}
+    names = tuple(tensors)
+    t = Sections(((0, 0, qk), (0, qk, qk), (0, 2 * qk, v), (1, 0, v), (2, 0, heads), (3, 0, heads)))
+    sections = [tensors["qkv"][:qk], tensors["qkv"][qk:2 * qk], tensors["qkv"][2 * qk:], tensors["z"],
+                tensors["b"], tensors["a"]]
+    shards = []
+    for rank in range(tp):
+        want = torch.cat([sec[rank * len(sec) // tp:(rank + 1) * len(sec) // tp] for sec in sections])
+        got = t.load(FakeReader(tensors), names, rank, tp, dims())
+        assert torch.equal(got, want)
+        shards.append(got)
+    saved = t.save(shards, names, dims())
+    assert saved.keys() == tensors.keys() and all(torch.equal(saved[n], tensors[n]) for n in names)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_key_head_groups_shard_gathers_each_kind_over_the_ranks_key_heads(tp):
+    """Qwen3-Next's in_proj_qkvz = [q_g k_g v_g z_g] and in_proj_ba = [b_g a_g] per key head g."""
+    key_heads, dk, per_k, dv = 4, 2, 2, 3  # per_k value heads per key head
+    blocks = ((dk, dk, per_k * dv, per_k * dv), (per_k, per_k))
+    tensors = {"qkvz": distinct(key_heads * sum(blocks[0]), HIDDEN),
+               "ba": distinct(key_heads * sum(blocks[1]), HIDDEN, base=5000.0)}
+    names = tuple(tensors)
+    t = KeyHeadGroups(key_heads, blocks)
+    shards = []
+    for rank in range(tp):
+        mine = range(rank * key_heads // tp, (rank + 1) * key_heads // tp)
+        rows = []
+        for name, sizes in zip(names, blocks):
+            per = sum(sizes)
+            for j, size in enumerate(sizes):  # kind j over this rank's key heads
+                first = sum(sizes[:j])
+                rows += [tensors[name][g * per + first + i] for g in mine for i in range(size)]
+        got = t.load(FakeReader(tensors), names, rank, tp, dims())
+        assert torch.equal(got, torch.stack(rows))
+        shards.append(got)
+    saved = t.save(shards, names, dims())
+    assert all(torch.equal(saved[n], tensors[n]) for n in names)
 
 
 def mapping(family: str, tied: bool):
@@ -367,10 +439,17 @@ def _checkpoint(directory):
         return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
 
 
+LINEAR_ATTENTION_PARTS = ("in_proj", "conv1d", "A_log", "dt_bias", "out_norm", "out_proj")
+
+
 def in_layer(entry, cfg, layer: int) -> bool:
-    """Whether `entry` has a parameter in `layer` of a mixed dense/MoE stack."""
+    """Whether `entry` has a parameter in `layer` of a mixed dense/MoE (or linear/full
+    attention) stack."""
     moe_part = any(p in entry.mcore for p in (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts."))
     dense_part = ".mlp.linear_fc" in entry.mcore
+    if ".self_attention." in entry.mcore and cfg.linear_attention is not None:
+        linear_part = entry.mcore.split(".self_attention.")[1].split(".")[0] in LINEAR_ATTENTION_PARTS
+        return linear_part == cfg.is_linear_attention_layer(layer)
     return cfg.is_moe_layer(layer) if moe_part else not cfg.is_moe_layer(layer) if dense_part else True
 
 

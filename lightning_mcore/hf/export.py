@@ -127,13 +127,15 @@ def export_hf(
     overwrite: bool = False,
     tokenizer_dir: Optional[os.PathLike] = None,
     protected: Iterable = (),
+    carried: tuple[str, ...] = (),
 ) -> Optional[Path]:
     """Write an HF directory at `out_dir` (config, weights, tokenizer); returns it on rank 0.
 
     `out_dir` must be new or empty, or (with `overwrite`) an earlier export (hf/export_dir.py);
     it may not hold or sit inside `source_dir` or the `protected` paths. `weights` is the
     family's weight table, `hf_config` the config.json to write (None: `source_dir`'s).
-    Tokenizer files come from `source_dir`, else from `tokenizer_dir`."""
+    Tokenizer files come from `source_dir`, else from `tokenizer_dir`; so do the tensors named
+    with a `carried` prefix (parts the model keeps but does not compute), copied unchanged."""
     out_dir = check_target(out_dir, overwrite, [source_dir, *protected])
     rank = dist.get_rank() if dist.is_initialized() else 0
     items = _items(chunks, cfg, weights)
@@ -157,6 +159,7 @@ def export_hf(
             writer = _ShardWriter(tmp, max_shard_bytes)
         _send_tensors(items, plan, rank, dims, writer if rank == 0 else None)
         if rank == 0:
+            _copy_carried(source_dir, carried, writer)
             writer.finish()
             _write_metadata(tmp, hf_config, source_dir, items[0][1].dtype, tokenizer_dir)
     if dist.is_initialized():
@@ -190,6 +193,17 @@ def _is_sender(expert: bool) -> bool:
     """Rank 0 of the (expert-)tensor-parallel group sends what the group gathered."""
     ranks = parallel_ranks()
     return (ranks["etp"] if expert else ranks["tp"])[0] == 0
+
+
+def _copy_carried(source_dir, carried: tuple[str, ...], writer: "_ShardWriter") -> None:
+    """The source checkpoint's tensors under the `carried` prefixes, bit for bit."""
+    if not carried or source_dir is None or not (Path(source_dir) / "config.json").is_file():
+        return
+    from lightning_mcore.hf.checkpoint import SafetensorsReader
+
+    with SafetensorsReader(Path(source_dir)) as reader:
+        for name in sorted(n for n in reader.files if n.startswith(carried)):
+            writer.add(name, reader.get(name))
 
 
 def _write_metadata(directory: Path, hf_config: Optional[dict], source_dir, dtype: torch.dtype,

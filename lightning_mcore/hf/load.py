@@ -26,7 +26,7 @@ _FIELDS = {"h": "hidden_size", "q": "num_attention_heads*head_dim", "kv": "num_k
            "lc": "2*linear_num_key_heads*linear_key_head_dim+linear_num_value_heads*linear_value_head_dim",
            "dv": "linear_value_head_dim",
            "lc+lv": "2*linear_num_key_heads*linear_key_head_dim+2*linear_num_value_heads*linear_value_head_dim",
-           "2lh": "2*linear_num_value_heads"}
+           "2lh": "2*linear_num_value_heads", "ck": "linear_conv_kernel_dim"}
 
 
 def dims_of(cfg, padded_vocab: int) -> Dims:
@@ -110,9 +110,11 @@ def _check(reader: SafetensorsReader, names, entry: Entry, symbols, dtype) -> No
 
 
 @torch.no_grad()
-def load_hf_weights(chunks, directory, cfg, weights: list[Entry], padded_vocab: int) -> None:
+def load_hf_weights(chunks, directory, cfg, weights: list[Entry], padded_vocab: int,
+                    carried: tuple[str, ...] = ()) -> None:
     """Fill `chunks` (this rank's mcore models) from the HF checkpoint in `directory`, by the
-    weight table `weights` (its family module's)."""
+    weight table `weights` (its family module's); tensors named with a `carried` prefix are
+    left for the export to copy (hf/export.py)."""
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     dtype = _SAFETENSORS_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")))
@@ -134,7 +136,8 @@ def load_hf_weights(chunks, directory, cfg, weights: list[Entry], padded_vocab: 
                     )
                 param.copy_(shard)
                 read.update(names)
-        _refuse_unread(directory, reader.files, read, cfg.tie_word_embeddings)
+        kept = [n for n in reader.files if n.startswith(carried)] if carried else []
+        _refuse_unread(directory, reader.files, read | set(kept), cfg.tie_word_embeddings)
 
 
 def _refuse_unread(directory: Path, in_checkpoint, read: set, tied: bool) -> None:

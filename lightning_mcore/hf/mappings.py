@@ -8,7 +8,7 @@ dimension), and the HF shapes in symbols checked against the config before any r
     head_dim, d head_dim, f ffn, mf expert ffn, sf shared-expert ffn, V vocab, E experts, 1 one;
     multi-latent attention: ql / kvl q / kv latent ranks, kva kv latent + RoPE dim, qh heads x
     q head, kvb heads x (k + v head), o heads x v head; linear attention: lk key heads x key dim,
-    lv value heads x value dim, lh value heads, lc 2 lk + lv (convolution channels), dv value dim; lc+lv, 2lh.
+    lv value heads x value dim, lh value heads, lc 2 lk + lv (convolution channels), dv value dim, ck convolution kernel; lc+lv, 2lh.
 `{L}` is the layer (local index in mcore names, global in HF names); `{E}` the expert (local
 to the expert-parallel rank in mcore names, global in HF names).
 """
@@ -95,7 +95,7 @@ def shape_symbols(cfg) -> dict[str, int]:
         la = cfg.linear_attention
         lk, lv = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
         out.update(lk=lk, lv=lv, lh=la.num_value_heads, lc=2 * lk + lv, dv=la.value_head_dim)
-        out.update({"lc+lv": 2 * lk + 2 * lv, "2lh": 2 * la.num_value_heads})
+        out.update({"lc+lv": 2 * lk + 2 * lv, "2lh": 2 * la.num_value_heads, "ck": la.conv_kernel_dim})
     if cfg.mla is not None:  # multi-latent attention: latent ranks and per-head q/k, v sizes
         m, n = cfg.mla, cfg.num_attention_heads
         out.update(ql=m.q_lora_rank or 0, qh=n * (m.qk_head_dim + m.qk_pos_emb_head_dim),

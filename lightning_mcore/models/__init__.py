@@ -133,6 +133,11 @@ def weights(cfg: GPTConfig, family: Optional[str]) -> list[Entry]:
     return _family(cfg, family).weights(cfg)
 
 
+def carried(family: Optional[str]) -> tuple[str, ...]:
+    """The HF tensor-name prefixes `family` keeps untouched (Architecture.carried)."""
+    return by_family(family).carried if family is not None else ()
+
+
 def peft_weights(cfg: GPTConfig, family: Optional[str]) -> tuple[list[Entry], Optional[str]]:
     """(the weight table under transformers' in-memory module paths, which PEFT adapter names
     follow; the decoder's path when PEFT targets must match under it only, else None)."""

@@ -72,6 +72,9 @@ class Architecture:
     # encoder): a PEFT adapter is keyed by in-memory module paths (peft renames nothing on load)
     # and its target_modules must then match under this path only. None: the checkpoint's names.
     peft_decoder: Optional[str] = None
+    # HF tensor-name prefixes of parts we do not compute but keep: loaded nowhere, written into
+    # an export untouched from the source checkpoint (e.g. multi-token-prediction layers, "mtp.").
+    carried: tuple[str, ...] = ()
 
     def gpt_config(self, hf: HFConfig) -> dict:
         """GPTConfig fields for this config.json (seq_length aside); refuse with hf.refuse."""

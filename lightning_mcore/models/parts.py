@@ -341,7 +341,7 @@ def gated_delta_net(cfg: GPTConfig, grouped: bool = False, attn: str = "linear_a
     return [
         in_proj,
         Entry(M + "self_attention.conv1d.weight", (H + f"{attn}conv1d.weight",), Sections(conv),
-              (("lc", "1", str(la.conv_kernel_dim)),)),
+              (("lc", "1", "ck"),)),
         Entry(M + "self_attention.A_log", (H + f"{attn}A_log",), Split(0), (("lh",),)),
         Entry(M + "self_attention.dt_bias", (H + f"{attn}dt_bias",), Split(0), (("lh",),)),
         norm("self_attention.out_norm.weight", f"{attn}norm.weight", "dv"),

@@ -5,7 +5,8 @@ DeltaNet linear-attention layers (model/gated_delta_net.py) and, every few layer
 partial_rotary_factor of each head, RMSNorms that scale by (1 + weight) (the linear layers'
 output norm excepted), a dense SwiGLU MLP.
 
-Its rope_parameters may carry mrope_section / mrope_interleaved (the multimodal model's 3-D
+The multi-token-prediction layer of published checkpoints (mtp.*) is carried through to
+exports untouched (not trained). Its rope_parameters may carry mrope_section / mrope_interleaved (the multimodal model's 3-D
 positions): text has one position per token, on which they rotate as plain RoPE.
 """
 
@@ -20,6 +21,9 @@ class Qwen3_5(Architecture):
     required = ("intermediate_size", "num_key_value_heads", "head_dim", "linear_num_key_heads",
                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     grouped_in_proj = False  # in_proj_qkvz / in_proj_ba per key head (Qwen3-Next)
+    # The published checkpoints' multi-token-prediction layer (mtp.*, mtp_num_hidden_layers):
+    # not trained here; carried into exports unchanged, as transformers ignores it.
+    carried = ("mtp.",)
 
     def gpt_config(self, hf):
         parts.refuse_unless(hf, "hidden_act", ("silu", None), "only silu is supported.")

@@ -135,7 +135,7 @@ class MegatronModule(L.LightningModule):
             else:
                 table = self._import_weights() if source is self else models.weights(cfg, source.hf_family)
                 load_hf_weights(chunks, source.hf_path, cfg, table,
-                                cfg.padded_vocab_size(tp))
+                                cfg.padded_vocab_size(tp), carried=models.carried(source.hf_family))
         return chunks
 
     def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30, mode: str = "full",
@@ -173,7 +173,7 @@ class MegatronModule(L.LightningModule):
                              directory, padded,
                              source_dir=self.hf_path, max_shard_bytes=max_shard_bytes,
                              overwrite=overwrite, tokenizer_dir=self.tokenizer_path,
-                             protected=protected)
+                             protected=protected, carried=models.carried(self.hf_family))
         finally:
             set_merged(chunks, False)
 
