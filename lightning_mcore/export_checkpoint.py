@@ -142,7 +142,7 @@ def export_checkpoint(
                       output, saved.padded_vocab_size,
                       source_dir=source, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                       tokenizer_dir=saved.tokenizer_path, protected=protected,
-                      carried=models.carried(saved.hf_family))
+                      carried=models.carried(saved.hf_family, source))
     return Path(output).expanduser().resolve()
 
 
@@ -155,7 +155,7 @@ def _load_base(chunks, saved, base, weights) -> None:
         checkpoint_io.load_model(base, chunks)
     else:
         load_hf_weights(chunks, base, saved.config, weights, saved.padded_vocab_size,
-                        carried=models.carried(saved.hf_family))
+                        carried=models.carried(saved.hf_family, base))
 
 
 def describe(directory: Path) -> str:

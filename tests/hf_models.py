@@ -60,6 +60,12 @@ FAMILIES = {
     # in_proj_qkvz / in_proj_ba per key head; layer 2 dense, top-k not renormalised
     "qwen3_next": lambda: (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(
         **LINEAR_ATTENTION, **QWEN_NEXT_MOE, head_dim=16, mlp_only_layers=[2], norm_topk_prob=False)),
+    # q/k/v biases, q/k norms, RoPE on half of each head; DeepSeek-V3's router (2 groups of 2
+    # experts, one chosen), one dense layer first, a shared expert
+    "glm4_moe": lambda: (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, dict(
+        head_dim=16, attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, num_nextn_predict_layers=0)),
     # Multi-latent attention, YaRN, 1 dense layer then MoE with a shared expert; V3: sigmoid
     # router with a (randomised) bias, 2 groups of 2 experts, one group chosen.
     "deepseek_v3": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(DEEPSEEK, **YARN)),

@@ -63,6 +63,14 @@ LORA_CASES = {  # family: (strategy layout, LoRA targets, rows per data-parallel
 def test_lora_exports_a_peft_adapter_with_equal_logits(family, tmp_path):
     """LoRA on the linear-attention in_proj/out_proj and the attention (and Qwen3.5's MLP),
     trained a few steps; the PEFT export loads into transformers' model with our logits."""
+    written = check_peft_export(family, *LORA_CASES[family], tmp_path)
+    assert {"out_proj", "o_proj", "q_proj"} <= written, written
+    assert {"in_proj_qkv", "in_proj_z"} <= written or {"in_proj_qkvz", "in_proj_ba"} <= written
+
+
+def check_peft_export(family: str, parallel: dict, targets, rows: int, tmp_path) -> set:
+    """Train LoRA on `targets` a few steps at `parallel` (`rows` per data-parallel rank); the
+    PEFT export loads into transformers' model with our logits. Returns its target_modules."""
     import json
 
     import lightning as L
@@ -76,7 +84,6 @@ def test_lora_exports_a_peft_adapter_with_equal_logits(family, tmp_path):
     from test_family_gemma3 import LoRAProbe, tokens
     from toy import TokenRows
 
-    parallel, targets, rows = LORA_CASES[family]
     source = tmp_path / "source"
     hf = make_hf_model(family, source)
     trainer = L.Trainer(
@@ -90,11 +97,9 @@ def test_lora_exports_a_peft_adapter_with_equal_logits(family, tmp_path):
 
     ours = torch.load(tmp_path / "logits.pt")
     assert (ours - hf_logits(hf, tokens())).abs().max() > 1e-3, "the adapters changed nothing"
-    written = set(json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["target_modules"])
-    assert {"out_proj", "o_proj", "q_proj"} <= written, written
-    assert {"in_proj_qkv", "in_proj_z"} <= written or {"in_proj_qkvz", "in_proj_ba"} <= written
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), tmp_path / "peft")
     assert (hf_logits(peft_model.eval(), tokens()) - ours).abs().max().item() <= 1e-4
+    return set(json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["target_modules"])
 
 
 @pytest.mark.distributed

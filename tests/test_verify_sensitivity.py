@@ -78,6 +78,8 @@ CORRUPTIONS = [
     ("qwen3_next", "model.layers.0.linear_attn.in_proj_qkvz.weight", "swap", "model.layers.0"),
     ("qwen3_next", "model.layers.2.linear_attn.conv1d.weight", "scale:2", "model.layers.2"),
     ("qwen3_next", "model.layers.3.mlp.experts.1.down_proj.weight", "scale:2", "model.layers.3"),
+    ("glm4_moe", "model.layers.1.self_attn.k_proj.bias", "scale:2", "model.layers.1"),
+    ("glm4_moe", "model.layers.2.mlp.gate.e_score_correction_bias", "scale:3", "model.layers.2"),
 ]
 FAMILIES = sorted({family for family, *_ in CORRUPTIONS})
 

@@ -133,9 +133,13 @@ def weights(cfg: GPTConfig, family: Optional[str]) -> list[Entry]:
     return _family(cfg, family).weights(cfg)
 
 
-def carried(family: Optional[str]) -> tuple[str, ...]:
-    """The HF tensor-name prefixes `family` keeps untouched (Architecture.carried)."""
-    return by_family(family).carried if family is not None else ()
+def carried(family: Optional[str], directory) -> tuple[str, ...]:
+    """The HF tensor-name prefixes the `family` checkpoint in `directory` holds untouched
+    (Architecture.carried; none without a directory or its config.json)."""
+    if family is None or directory is None or not (Path(directory) / "config.json").is_file():
+        return ()
+    arch = by_family(family)
+    return arch.carried(arch.text(HFConfig(read_config_json(directory), str(Path(directory) / "config.json"))))
 
 
 def peft_weights(cfg: GPTConfig, family: Optional[str]) -> tuple[list[Entry], Optional[str]]:

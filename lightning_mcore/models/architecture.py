@@ -72,9 +72,6 @@ class Architecture:
     # encoder): a PEFT adapter is keyed by in-memory module paths (peft renames nothing on load)
     # and its target_modules must then match under this path only. None: the checkpoint's names.
     peft_decoder: Optional[str] = None
-    # HF tensor-name prefixes of parts we do not compute but keep: loaded nowhere, written into
-    # an export untouched from the source checkpoint (e.g. multi-token-prediction layers, "mtp.").
-    carried: tuple[str, ...] = ()
 
     def gpt_config(self, hf: HFConfig) -> dict:
         """GPTConfig fields for this config.json (seq_length aside); refuse with hf.refuse."""
@@ -92,6 +89,12 @@ class Architecture:
     def peft_weights(self, cfg: GPTConfig) -> list[Entry]:
         """The weight table under transformers' in-memory module paths (PEFT adapter names)."""
         return self.weights(cfg)
+
+    def carried(self, hf: HFConfig) -> tuple[str, ...]:
+        """HF tensor-name prefixes of the parts of this checkpoint we keep but do not compute
+        (published multi-token-prediction layers): loaded nowhere, copied into an export
+        unchanged from the source checkpoint."""
+        return ()
 
     def missing(self, hf: HFConfig) -> list[str]:
         return [f for f in COMMON_FIELDS + self.required if f not in self.text(hf)]

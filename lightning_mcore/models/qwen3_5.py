@@ -6,8 +6,9 @@ partial_rotary_factor of each head, RMSNorms that scale by (1 + weight) (the lin
 output norm excepted), a dense SwiGLU MLP.
 
 The multi-token-prediction layer of published checkpoints (mtp.*) is carried through to
-exports untouched (not trained). Its rope_parameters may carry mrope_section / mrope_interleaved (the multimodal model's 3-D
-positions): text has one position per token, on which they rotate as plain RoPE.
+exports untouched (not trained). rope_parameters may carry mrope_section / mrope_interleaved
+(the multimodal model's 3-D positions): text has one position per token, on which they rotate
+as plain RoPE.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ class Qwen3_5(Architecture):
     required = ("intermediate_size", "num_key_value_heads", "head_dim", "linear_num_key_heads",
                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     grouped_in_proj = False  # in_proj_qkvz / in_proj_ba per key head (Qwen3-Next)
-    # The published checkpoints' multi-token-prediction layer (mtp.*, mtp_num_hidden_layers):
-    # not trained here; carried into exports unchanged, as transformers ignores it.
-    carried = ("mtp.",)
 
     def gpt_config(self, hf):
         parts.refuse_unless(hf, "hidden_act", ("silu", None), "only silu is supported.")
         return parts.decoder(hf, partial_rotary=True, qk_layernorm=True, zero_centered_norm=True,
                              attention_output_gate=True) | parts.linear_attention(hf)
+
+    def carried(self, hf):
+        # The published multi-token-prediction layer (mtp.*, mtp_num_hidden_layers): not
+        # trained here; kept for the export, as transformers ignores it.
+        return ("mtp.",)
 
     def hf_config(self, cfg):
         return self.hybrid_hf(cfg)

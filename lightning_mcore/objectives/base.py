@@ -134,8 +134,8 @@ class MegatronModule(L.LightningModule):
                 init_layout_invariant(chunks, cfg, strategy.seed)
             else:
                 table = self._import_weights() if source is self else models.weights(cfg, source.hf_family)
-                load_hf_weights(chunks, source.hf_path, cfg, table,
-                                cfg.padded_vocab_size(tp), carried=models.carried(source.hf_family))
+                load_hf_weights(chunks, source.hf_path, cfg, table, cfg.padded_vocab_size(tp),
+                                carried=models.carried(source.hf_family, source.hf_path))
         return chunks
 
     def save_hf_checkpoint(self, directory, max_shard_bytes: int = 5 * 2**30, mode: str = "full",
@@ -173,7 +173,7 @@ class MegatronModule(L.LightningModule):
                              directory, padded,
                              source_dir=self.hf_path, max_shard_bytes=max_shard_bytes,
                              overwrite=overwrite, tokenizer_dir=self.tokenizer_path,
-                             protected=protected, carried=models.carried(self.hf_family))
+                             protected=protected, carried=models.carried(self.hf_family, self.hf_path))
         finally:
             set_merged(chunks, False)
 

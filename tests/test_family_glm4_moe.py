@@ -1,0 +1,81 @@
+"""Acceptance for GLM-4.5 (Glm4MoeForCausalLM): logits equal transformers' at TP=2 with
+sequence parallelism, PP=2, EP=2 and DP=2; the export is bit-identical; the published
+multi-token-prediction layer (model.layers.<num_hidden_layers>.*) is carried to the export
+unchanged; greedy generation with the KV cache equals transformers'."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_models import hf_config_dict, make_hf_model
+from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
+from test_hf_roundtrip import check_logits_and_export
+
+SEQ = 24
+LAYOUTS = {
+    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "ep2": (2, dict(expert_model_parallel_size=2)),
+    "dp2": (2, {}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_and_export_match_transformers(layout, tmp_path):
+    check_logits_and_export("glm4_moe", layout, tmp_path, seq=SEQ, layouts=LAYOUTS)
+
+
+def add_mtp_layer(source) -> tuple[str]:
+    """The published layout: one more decoder layer's tensors (and the MTP projections) after
+    the last, announced by num_nextn_predict_layers. transformers ignores them by the real
+    models' layer numbers (46, 92), so the tiny model's reload reports them unexpected."""
+    weights = load_file(source / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in weights if n.startswith("model.layers.3.")][:6]:
+        weights[name.replace("layers.3.", "layers.4.")] = torch.randn(weights[name].shape, generator=gen)
+    weights["model.layers.4.eh_proj.weight"] = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    return ("model.layers.4.",)
+
+
+@pytest.mark.distributed
+def test_published_mtp_layer_is_carried_through_to_the_export(tmp_path):
+    check_logits_and_export("glm4_moe", "ep2", tmp_path, seq=SEQ, layouts=LAYOUTS, prepare=add_mtp_layer)
+
+
+@pytest.mark.distributed
+def test_cached_generation_equals_transformers_greedy(tmp_path):
+    from test_generation import check_one_layout, hf_greedy, run
+
+    source = tmp_path / "glm4_moe"
+    want = hf_greedy(make_hf_model("glm4_moe", source))
+    got = run(tmp_path, str(source), 2, "ep2", expert_model_parallel_size=2)
+    check_one_layout(got)
+    assert got["greedy"] == want
+
+
+@pytest.mark.distributed
+def test_attention_lora_exports_a_peft_adapter_with_equal_logits(tmp_path):
+    """q/k/v (with their biases frozen) and o_proj adapters at TP=2 + SP; MLP adapters of this
+    family export merged only (peft reads them as the routed experts')."""
+    from test_family_qwen3_5 import check_peft_export
+
+    written = check_peft_export("glm4_moe", dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                                ["linear_qkv", "linear_proj"], 4, tmp_path)
+    assert written == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_config_round_trips_through_transformers():
+    cfg, family = gpt_config_from_hf(hf_config_dict("glm4_moe"), seq_length=SEQ)
+    assert family == "glm4_moe"
+    assert (cfg.rotary_percent, cfg.add_qkv_bias, cfg.qk_layernorm) == (0.5, True, True)
+    assert (cfg.moe_router_score_function, cfg.moe_router_num_groups, cfg.moe_router_group_topk) == (
+        "sigmoid", 2, 1)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    again, _ = gpt_config_from_hf(hf_config_dict_from_gpt(cfg, family), seq_length=SEQ)
+    assert again == cfg
