@@ -113,6 +113,28 @@ def make_hf_model(name: str, directory: Path, seed: int = 0, **overrides):
     return model
 
 
+def add_mtp_layer(source: Path) -> tuple[str]:
+    """What DeepSeek-V3 and GLM-4.5 publish: one more decoder layer's tensors after the last
+    (some of them here, and an MTP projection in bf16 beside the fp32 model, so that a
+    conversion would show), announced by num_nextn_predict_layers. transformers ignores them by
+    the real models' layer numbers (61; 46, 92): returns what the tiny model's reload reports
+    unexpected."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, f"model.layers.{config['num_hidden_layers']}."
+    weights = load_file(source / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in weights if n.startswith(f"model.layers.{last}.")][:6]:
+        weights[name.replace(f"model.layers.{last}.", mtp)] = torch.randn(weights[name].shape, generator=gen)
+    weights[mtp + "eh_proj.weight"] = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    (source / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    return (mtp,)
+
+
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=tokens).logits.float()

@@ -5,19 +5,16 @@ routed scaling factor, against transformers' own classes (tiny random models, CP
 
 import json
 
-import lightning as L
 import pytest
 import torch
 
 from hf_models import hf_config_dict, hf_logits, make_hf_model
 from lightning_mcore import OptimizerSettings, models
-from lightning_mcore.cli import main
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import local_name
 from lightning_mcore.hf.transforms import RopeRows
 from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.model.lora import LoRAConfig
-from test_bad_inputs import error_line, write_config
 from test_hf_roundtrip import check_logits_and_export
 from test_lora import TOKENS, fit_lora_at_tp2_sp, peft_and_merged_match
 from test_throughput import counted_training_flops
@@ -126,8 +123,6 @@ def test_lora_on_attention_exports_a_peft_adapter_at_tp2(family, tmp_path):
 
 YARN = hf_config_dict("deepseek_v3")["rope_parameters"]
 REFUSED = [  # (tiny model, config.json changes, the field named, what the message says)
-    ("deepseek_v3", dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1",
-     "set num_nextn_predict_layers to 0"),
     ("deepseek_v3", dict(norm_topk_prob=False), "norm_topk_prob=False", "renormalises"),
     ("deepseek_v3", dict(n_group=4, topk_group=2), "topk_group=2", "num_experts_per_tok / topk_group = 2"),
     ("deepseek_v3", dict(n_group=3), "n_group=3", "do not split"),
@@ -164,18 +159,14 @@ def test_q_lora_rank_absent_is_refused_not_guessed():
         models.gpt_config_from_hf(config)
 
 
-def test_mtp_checkpoint_is_refused_before_launch(capsys, monkeypatch, tmp_path):
-    """The CLI names the field in one error line and starts nothing."""
-    source = tmp_path / "source"
-    make_hf_model("deepseek_v3", source)
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    monkeypatch.setattr(L.Trainer, "fit", lambda *a, **k: pytest.fail("Trainer.fit ran"))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", write_config(tmp_path, model=str(source))])
-    line = error_line(capsys.readouterr().err)
-    assert exit_info.value.code == 2
-    assert "num_nextn_predict_layers=1" in line and "set num_nextn_predict_layers to 0" in line, line
+@pytest.mark.distributed
+def test_published_mtp_layer_loads_and_is_carried_to_the_export(tmp_path):
+    """A checkpoint as DeepSeek publishes it (num_nextn_predict_layers=1, the MTP layer's
+    tensors after the last layer) loads without edits; the export holds them bit for bit."""
+    from hf_models import add_mtp_layer
+
+    check_logits_and_export("deepseek_v3", "ep2", tmp_path, layouts={"ep2": (2, dict(expert_model_parallel_size=2))},
+                            prepare=add_mtp_layer)
 
 
 def test_te_spec_names_of_the_mla_norms_map_to_the_local_ones():

@@ -3,13 +3,9 @@ sequence parallelism, PP=2, EP=2 and DP=2; the export is bit-identical; the publ
 multi-token-prediction layer (model.layers.<num_hidden_layers>.*) is carried to the export
 unchanged; greedy generation with the KV cache equals transformers'."""
 
-import json
-
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from hf_models import hf_config_dict, make_hf_model
+from hf_models import add_mtp_layer, hf_config_dict, make_hf_model
 from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
 from test_hf_roundtrip import check_logits_and_export
 
@@ -26,21 +22,6 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_and_export_match_transformers(layout, tmp_path):
     check_logits_and_export("glm4_moe", layout, tmp_path, seq=SEQ, layouts=LAYOUTS)
-
-
-def add_mtp_layer(source) -> tuple[str]:
-    """The published layout: one more decoder layer's tensors (and the MTP projections) after
-    the last, announced by num_nextn_predict_layers. transformers ignores them by the real
-    models' layer numbers (46, 92), so the tiny model's reload reports them unexpected."""
-    weights = load_file(source / "model.safetensors")
-    gen = torch.Generator().manual_seed(3)
-    for name in [n for n in weights if n.startswith("model.layers.3.")][:6]:
-        weights[name.replace("layers.3.", "layers.4.")] = torch.randn(weights[name].shape, generator=gen)
-    weights["model.layers.4.eh_proj.weight"] = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
-    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
-    return ("model.layers.4.",)
 
 
 @pytest.mark.distributed

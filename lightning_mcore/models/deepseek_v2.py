@@ -3,7 +3,8 @@ low-rank latent when q_lora_rank is set, keys/values always; a RoPE part per hea
 latent one, on interleaved pairs; YaRN scaling), the first `first_k_dense_replace` layers dense,
 the others mixture of experts with always-on shared experts (n_shared_experts x
 moe_intermediate_size, no gate) and a softmax router: "greedy" top-k of the full softmax, not
-renormalised, times routed_scaling_factor. Multi-token-prediction layers are refused.
+renormalised, times routed_scaling_factor. Published multi-token-prediction layers are
+carried to exports untouched (not trained).
 
 The MLA weight table (one tensor-parallel layout for the local and TE specs, model/mla.py):
     q_a_proj, kv_a_proj_with_mqa  -> linear_q_down_proj, linear_kv_down_proj   Split(0)
@@ -53,14 +54,6 @@ class DeepseekV2(Architecture):
                                      "null when queries are projected from the hidden state.")
         parts.refuse_unless(hf, "num_key_value_heads", (heads, None),
                             "multi-latent attention has one key/value head per query head.")
-        mtp, layers = hf.get("num_nextn_predict_layers", 0), hf["num_hidden_layers"]
-        if mtp:
-            tensors = " and ".join(f"model.layers.{i}.*" for i in range(layers, layers + mtp))
-            hf.refuse("num_nextn_predict_layers",
-                      f"multi-token-prediction (MTP) layers are not supported; to train without the "
-                      f"MTP head, set num_nextn_predict_layers to 0 in config.json and leave its "
-                      f"tensors ({tensors}) out of the checkpoint (of a sharded one: their lines "
-                      f"in model.safetensors.index.json).")
         mla = MLAConfig(kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
                         qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
                         q_lora_rank=hf.get("q_lora_rank"), latent_norm_epsilon=LATENT_NORM_EPS)
@@ -71,6 +64,13 @@ class DeepseekV2(Architecture):
         except ValueError as e:
             hf.refuse("rope_parameters" if "rope_parameters" in hf else "rope_scaling", str(e))
         return fields
+
+    def carried(self, hf: HFConfig) -> tuple[str, ...]:
+        """The published multi-token-prediction layers, num_nextn_predict_layers of them after
+        the last decoder layer (model.layers.<num_hidden_layers + i>.*): not trained here;
+        kept for the export, as transformers ignores them."""
+        layers = hf["num_hidden_layers"]
+        return tuple(f"model.layers.{layers + i}." for i in range(hf.get("num_nextn_predict_layers", 0)))
 
     def layers(self, hf: HFConfig) -> dict:
         """Dense MLPs on the first first_k_dense_replace layers, experts (and shared ones) after."""

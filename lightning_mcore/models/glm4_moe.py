@@ -22,10 +22,6 @@ class Glm4Moe(DeepseekV3):
         return parts.decoder(hf, partial_rotary=True, add_qkv_bias=bool(hf.get("attention_bias")),
                              qk_layernorm=bool(hf.get("use_qk_norm")))
 
-    def carried(self, hf):
-        layers = hf["num_hidden_layers"]
-        return tuple(f"model.layers.{layers + i}." for i in range(hf.get("num_nextn_predict_layers", 0)))
-
     def hf_config(self, cfg):
         if cfg.mla is not None or not cfg.num_moe_experts:
             raise HFCheckpointError(f"{self.model_type} needs GQA attention (no GPTConfig.mla) "
