@@ -54,6 +54,14 @@ SHAPES = {
                           rotary_base=1000000.0, norm_epsilon=1e-6, num_moe_experts=128,
                           moe_router_topk=8, moe_ffn_hidden_size=768, moe_grouped_gemm=True,
                           moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=False),
+    # A Qwen3.5-shaped hybrid at 12 layers: 3 Gated DeltaNet layers to 1 gated softmax attention
+    "qwen3.5-hybrid": dict(num_layers=12, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
+                           num_query_groups=4, kv_channels=128, qk_layernorm=True, zero_centered_norm=True,
+                           attention_output_gate=True, rotary_percent=0.25, vocab_size=151936,
+                           rotary_base=10000000.0, norm_epsilon=1e-6,
+                           linear_attention=dict(num_key_heads=16, num_value_heads=16, key_head_dim=128,
+                                                 value_head_dim=128),
+                           layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3),
 }
 
 
@@ -67,8 +75,15 @@ def flops_per_token(cfg: GPTConfig, seq: int) -> float:
         mlp = cfg.moe_router_topk * 3 * h * cfg.moe_ffn_hidden_size + h * cfg.num_moe_experts
     else:
         mlp = 3 * h * cfg.ffn_hidden_size
-    per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * seq * q
-    return 3.0 * 2 * (cfg.num_layers * per_layer + h * cfg.vocab_size)
+    attention = h * (q * (2 if cfg.attention_output_gate else 1) + 2 * kv) + q * h + 2 * seq * q
+    layers = [attention + mlp] * cfg.num_layers
+    if cfg.linear_attention is not None:  # projections, and per value head the state's update and readout
+        la = cfg.linear_attention
+        lk, lv = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+        linear = h * (2 * lk + 2 * lv + 2 * la.num_value_heads) + lv * h + \
+            4 * la.num_value_heads * la.key_head_dim * la.value_head_dim
+        layers = [(linear if cfg.is_linear_attention_layer(i) else attention) + mlp for i in range(cfg.num_layers)]
+    return 3.0 * 2 * (sum(layers) + h * cfg.vocab_size)
 
 
 class RandomTokens(Dataset):

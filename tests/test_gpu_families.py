@@ -27,6 +27,10 @@ FAMILIES = {  # family: parallel layout on 2 GPUs
     "gemma3": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     "seed_oss": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     "mistral_window": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "qwen3_5": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "qwen3_5_moe": dict(expert_model_parallel_size=2),
+    "qwen3_next": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "glm4_moe": dict(expert_model_parallel_size=2),
 }
 
 

@@ -9,8 +9,10 @@ Per layer, for each value head, a state S [key_dim, value_dim] runs along the se
 q, k, v first pass a causal depthwise convolution (kernel conv_kernel_dim, silu) and q, k an
 L2 norm; each query/key head serves num_value_heads / num_key_heads consecutive value heads.
 Training and prefill use mcore's torch chunked form of the rule (exact, one chunk of 64 tokens
-at a time); a cached decode step (model/kv_cache.py) applies the update above once, from the
-convolution window and the state kept in the inference context.
+at a time), or on GPU flash-linear-attention's chunked Triton kernel where fla computes it
+right (`fla_kernel`: fla installed and Triton >= 3.7.1; fla itself refuses its backward on
+Hopper with older Triton); a cached decode step (model/kv_cache.py) applies the update above
+once, from the convolution window and the state kept in the inference context.
 
 Parameter names and the sharded checkpoint layout are mcore's GatedDeltaNet's (whose own
 module needs flash-linear-attention's GPU kernels even to be built, and has no cached decode);
@@ -25,6 +27,7 @@ and its conv1d channels [q_r | k_r | v_r]. Packed rows (THD) run each sequence o
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -152,8 +155,12 @@ class GatedDeltaNet(MegatronModule):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         beta = b.sigmoid()
         previous = state[1] if state is not None else None
+        kernel = fla_kernel() if v.is_cuda else None
         if previous is not None and s == 1:
             out, last = _recurrent_step(q, k, v, g, beta, previous)
+        elif kernel is not None:
+            out, last = kernel(q.to(v.dtype), k.to(v.dtype), v, g=g, beta=beta.to(v.dtype),
+                               initial_state=previous, output_final_state=state is not None)
         else:
             out, last = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=previous,
                                                      output_final_state=state is not None)
@@ -198,6 +205,20 @@ class GatedDeltaNet(MegatronModule):
         out[f"{prefix}conv1d.weight"] = _split_tensor_factory(
             out[f"{prefix}conv1d.weight"], list(self.sections[:3]), ["query", "key", "value"], 0)
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def fla_kernel():
+    """flash-linear-attention's chunk_gated_delta_rule where it is installed and its Triton is
+    3.7.1 or newer (on Hopper, fla refuses the backward of older Triton: "incorrect results");
+    None: mcore's torch form."""
+    try:
+        import triton
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from packaging.version import Version
+    except Exception:
+        return None
+    return chunk_gated_delta_rule if Version(triton.__version__) >= Version("3.7.1") else None
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
