@@ -108,7 +108,7 @@ class GatedDeltaNet(MegatronModule):
         """log(A), A uniform in A_INIT_RANGE, drawn for all heads of the layer (the same at any
         tensor-parallel size, as model/init.py's weights), this rank's slice."""
         gen = torch.Generator().manual_seed(self.layer_number)
-        full = torch.empty(value_heads).uniform_(*A_INIT_RANGE, generator=gen).log()
+        full = torch.empty(value_heads, device="cpu").uniform_(*A_INIT_RANGE, generator=gen).log()
         return full.chunk(self.tp_size)[rank].clone()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, inference_context=None,
