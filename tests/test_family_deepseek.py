@@ -244,3 +244,19 @@ def test_a_peft_export_peft_would_misread_is_refused_before_training():
     models.refuse_peft_export(cfg, family, LoRAConfig(target_modules=["q_a_proj", "kv_b_proj", "o_proj"]))
     llama, name = models.gpt_config_from_hf(hf_config_dict("llama"))
     models.refuse_peft_export(llama, name, LoRAConfig(target_modules="all-linear"))
+
+
+def as_kimi_k2(source) -> None:
+    """Kimi-K2's config.json: DeepSeek-V3's architecture under its own model_type (read through
+    remote code by transformers; our loader goes by architectures[0])."""
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"model_type": "kimi_k2"}))
+
+
+@pytest.mark.distributed
+def test_kimi_k2_is_deepseek_v3_under_another_model_type(tmp_path):
+    """Logits equal transformers' DeepseekV3ForCausalLM at EP=2 and the export is bit-identical
+    (config.json copied as published)."""
+    check_logits_and_export("deepseek_v3", "ep2", tmp_path, layouts={"ep2": (2, dict(expert_model_parallel_size=2))},
+                            prepare=as_kimi_k2, reload=False)
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "kimi_k2"
