@@ -83,6 +83,12 @@ def test_packed_batch_equals_one_sample_per_row(tmp_path):
     """Local and global RoPE restart at each packed sample and windows stay within it, at TP=1
     and TP=2 + SP (one SGD step: equal losses and equal gradients, as tests/test_sft_packing.py)."""
     cfg, _ = gpt_config_from_hf(hf_config_dict("gemma3"), seq_length=SEQ)
+    check_packed_batch_equals_one_sample_per_row(tmp_path, cfg)
+
+
+def check_packed_batch_equals_one_sample_per_row(tmp_path, cfg) -> None:
+    """test_sft_packing's samples packed into rows (SFT) against one per row (pretraining), at
+    TP=1 and TP=2 + SP: equal losses and gradients after one SGD step."""
     cfg = dataclasses.replace(cfg, seq_length=PACKED_SEQ, vocab_size=500)
     data = samples()
     packed = [build_row([data[i] for i in row], PACKED_SEQ, pad_id=0) for row in pack(LENGTHS, PACKED_SEQ)]

@@ -133,30 +133,12 @@ def test_training_is_layout_invariant_and_resumes_at_another_layout(tmp_path):
 def test_packed_batch_equals_one_sample_per_row(tmp_path):
     """Each packed sample starts its own convolution window and recurrent state (and attends
     within itself), at TP=1 and TP=2 + SP: one SGD step gives equal losses and gradients."""
-    import dataclasses
-
     from hf_models import hf_config_dict
-    from lightning_mcore import PretrainModule
-    from lightning_mcore.data.packing import build_row, pack
     from lightning_mcore.models import gpt_config_from_hf
-    from lightning_mcore.objectives.sft import SFTModule
-    from test_sft_packing import LENGTHS, samples
-    from test_sft_packing import SEQ as PACKED_SEQ
-    from test_sft_packing import run as run_sft
+    from test_family_gemma3 import check_packed_batch_equals_one_sample_per_row
 
     cfg, _ = gpt_config_from_hf(hf_config_dict("qwen3_5"))
-    cfg = dataclasses.replace(cfg, seq_length=PACKED_SEQ, vocab_size=500)
-    data = samples()
-    packed = [build_row([data[i] for i in row], PACKED_SEQ, pad_id=0) for row in pack(LENGTHS, PACKED_SEQ)]
-    single = [{k: v for k, v in build_row([s], PACKED_SEQ, pad_id=0).items() if k != "segment_ids"}
-              for s in data]
-    ref_loss, ref = run_sft(tmp_path, "reference", single, PretrainModule, config=cfg)
-    for name, devices, parallel in (("packed", 1, {}), ("packed_tp2_sp", 2, dict(
-            tensor_model_parallel_size=2, sequence_parallel=True))):
-        loss, got = run_sft(tmp_path, name, packed, SFTModule, devices, config=cfg, **parallel)
-        assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (name, loss, ref_loss)
-        for key in ref:
-            torch.testing.assert_close(got[key], ref[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
+    check_packed_batch_equals_one_sample_per_row(tmp_path, cfg)
 
 
 def add_mtp_layer(source) -> None:

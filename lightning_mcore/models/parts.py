@@ -174,6 +174,18 @@ def moe(hf: HFConfig, experts: int, ffn: str = "moe_intermediate_size", **fields
     ) | fields
 
 
+def gated_shared_expert(hf: HFConfig, **fields) -> dict:
+    """GPTConfig MoE fields of the Qwen MoE families: a softmax top-k router over num_experts
+    routed experts and a shared expert of shared_expert_intermediate_size scaled by
+    sigmoid(shared_expert_gate . x) (mcore's moe_shared_expert_gate); `fields` add or replace."""
+    for field in ("num_experts", "shared_expert_intermediate_size"):
+        if hf[field] < 1:
+            hf.refuse(field, "must be positive: a model without (shared) experts is not "
+                             "supported by this family.")
+    return moe(hf, hf["num_experts"], moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+               moe_shared_expert_gate=True, **fields)
+
+
 def sparse_layers(hf: HFConfig) -> Union[int, list[int]]:
     """moe_layer_freq by the Qwen-MoE rule: layer i (0-based) is MoE unless it is listed in
     mlp_only_layers, and only when i + 1 is a multiple of decoder_sparse_step; 1 when all are."""
@@ -262,6 +274,15 @@ def moe_hf(cfg: GPTConfig) -> dict:
         moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
         norm_topk_prob=not cfg.moe_router_pre_softmax,
     )
+
+
+def gated_shared_expert_hf(cfg: GPTConfig, family: str) -> dict:
+    """transformers config kwargs of gated_shared_expert's fields."""
+    if not cfg.num_moe_experts or not cfg.moe_shared_expert_intermediate_size or not cfg.moe_shared_expert_gate:
+        raise HFCheckpointError(f"{family} needs num_moe_experts and a gated shared expert "
+                                f"(moe_shared_expert_intermediate_size, moe_shared_expert_gate).")
+    return moe_hf(cfg) | dict(num_experts=cfg.num_moe_experts,
+                              shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
 
 
 def sparse_layers_hf(cfg: GPTConfig) -> dict:

@@ -7,7 +7,6 @@ rhythm, are dense MLPs of intermediate_size."""
 
 from __future__ import annotations
 
-from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import FusedExperts
 from lightning_mcore.models import parts
 from lightning_mcore.models.architecture import Architecture
@@ -27,26 +26,16 @@ class Qwen2Moe(Architecture):
     def gpt_config(self, hf):
         if hf.get("use_sliding_window"):
             hf.refuse("use_sliding_window", "sliding-window attention is not supported.")
-        for field in ("num_experts", "shared_expert_intermediate_size"):
-            if hf[field] < 1:
-                hf.refuse(field, "must be positive: a model without (shared) experts is not "
-                                 "supported by this family.")
-        return parts.decoder(hf, add_qkv_bias=bool(hf.get("qkv_bias", True))) | parts.moe(
-            hf, hf["num_experts"], moe_layer_freq=parts.sparse_layers(hf),
-            moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
-            moe_shared_expert_gate=True)
+        return parts.decoder(hf, add_qkv_bias=bool(hf.get("qkv_bias", True))) | parts.gated_shared_expert(
+            hf, moe_layer_freq=parts.sparse_layers(hf))
 
     def hf_config(self, cfg):
-        if not cfg.num_moe_experts or not cfg.moe_shared_expert_intermediate_size:
-            raise HFCheckpointError(f"{self.model_type} needs num_moe_experts and "
-                                    f"moe_shared_expert_intermediate_size.")
+        moe = parts.gated_shared_expert_hf(cfg, self.model_type)
         parts.expressible(cfg, self.model_type, moe_shared_expert_gate=True,
                           free=("add_qkv_bias", "num_moe_experts", "moe_layer_freq",
                                 "moe_shared_expert_intermediate_size"))
         # qkv_bias=False needs transformers 5 to read it (transformers 4 always adds biases).
-        return parts.decoder_hf(cfg) | parts.moe_hf(cfg) | parts.sparse_layers_hf(cfg) | dict(
-            num_experts=cfg.num_moe_experts, qkv_bias=cfg.add_qkv_bias,
-            shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
+        return parts.decoder_hf(cfg) | moe | parts.sparse_layers_hf(cfg) | dict(qkv_bias=cfg.add_qkv_bias)
 
     def weights(self, cfg):
         dense = [] if all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) else parts.dense_mlp()

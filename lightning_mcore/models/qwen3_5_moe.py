@@ -26,40 +26,26 @@ class Qwen3_5Moe(Qwen3_5):
                                 (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))))
 
     def gpt_config(self, hf):
-        for field in ("num_experts", "shared_expert_intermediate_size"):
-            if hf[field] < 1:
-                hf.refuse(field, "must be positive: a model without (shared) experts is not "
-                                 "supported by this family.")
         # No dense layers: intermediate_size (absent from this config) is the experts' width.
         dense = HFConfig(hf.data | {"intermediate_size": hf.get("intermediate_size", hf["moe_intermediate_size"])},
                          hf.source)
         return super().gpt_config(dense) | self.experts(hf)
 
     def experts(self, hf) -> dict:
-        return parts.moe(hf, hf["num_experts"], moe_router_pre_softmax=False,
-                         moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
-                         moe_shared_expert_gate=True)
-
-    def hf_config(self, cfg):
-        if not cfg.num_moe_experts or not cfg.moe_shared_expert_intermediate_size:
-            raise HFCheckpointError(f"{self.model_type} needs num_moe_experts and "
-                                    f"moe_shared_expert_intermediate_size.")
-        if cfg.moe_router_pre_softmax:
-            raise HFCheckpointError(f"{self.model_type} renormalises the top-k probabilities: needs "
-                                    f"moe_router_pre_softmax=False.")
-        kwargs = self.hybrid_hf(cfg, free=self.moe_fields)
-        kwargs.pop("intermediate_size")
-        return kwargs | self.experts_hf(cfg)
+        return parts.gated_shared_expert(hf, moe_router_pre_softmax=False)  # always renormalised
 
     moe_fields = ("num_moe_experts", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
-    def experts_hf(self, cfg) -> dict:
-        if not cfg.moe_shared_expert_gate or any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
-            raise HFCheckpointError(f"{self.model_type} has a gated shared expert and experts on every layer.")
-        moe = parts.moe_hf(cfg)
+    def hf_config(self, cfg):
+        moe = parts.gated_shared_expert_hf(cfg, self.model_type)
+        if cfg.moe_router_pre_softmax or any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+            raise HFCheckpointError(f"{self.model_type} renormalises the top-k probabilities and has "
+                                    f"experts on every layer: needs moe_router_pre_softmax=False, "
+                                    f"moe_layer_freq=1.")
+        kwargs = self.hybrid_hf(cfg, free=self.moe_fields)
+        kwargs.pop("intermediate_size")
         moe.pop("norm_topk_prob")
-        return moe | dict(num_experts=cfg.num_moe_experts,
-                          shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
+        return kwargs | moe
 
     def mlp(self, cfg):
         return parts.experts(parts.H + "mlp.experts.{E}.") + parts.shared_expert()

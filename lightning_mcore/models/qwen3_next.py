@@ -17,17 +17,11 @@ class Qwen3Next(Qwen3_5Moe):
     moe_fields = Qwen3_5Moe.moe_fields + ("moe_layer_freq", "moe_router_pre_softmax")
 
     def experts(self, hf) -> dict:
-        return parts.moe(hf, hf["num_experts"], moe_layer_freq=parts.sparse_layers(hf),
-                         moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
-                         moe_shared_expert_gate=True)
+        return parts.gated_shared_expert(hf, moe_layer_freq=parts.sparse_layers(hf))
 
     def hf_config(self, cfg):
-        kwargs = self.hybrid_hf(cfg, free=self.moe_fields)
-        if not cfg.num_moe_experts or not cfg.moe_shared_expert_intermediate_size or not cfg.moe_shared_expert_gate:
-            raise parts.HFCheckpointError(f"{self.model_type} needs num_moe_experts and a gated shared expert.")
-        return kwargs | parts.moe_hf(cfg) | parts.sparse_layers_hf(cfg) | dict(
-            num_experts=cfg.num_moe_experts,
-            shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size)
+        moe = parts.gated_shared_expert_hf(cfg, self.model_type)
+        return self.hybrid_hf(cfg, free=self.moe_fields) | moe | parts.sparse_layers_hf(cfg)
 
     def mlp(self, cfg):
         dense = [] if all(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) else parts.dense_mlp()
