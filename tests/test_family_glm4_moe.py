@@ -60,3 +60,16 @@ def test_config_round_trips_through_transformers():
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     again, _ = gpt_config_from_hf(hf_config_dict_from_gpt(cfg, family), seq_length=SEQ)
     assert again == cfg
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                           "rope_theta": 1e4, "partial_rotary_factor": 0.5}), "rope_parameters"),
+    (dict(n_group=3), "n_group"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+], ids=["rope", "n_group", "hidden_act"])
+def test_unsupported_variants_are_refused_by_name(changes, field):
+    from lightning_mcore.hf.config import HFCheckpointError
+
+    with pytest.raises(HFCheckpointError, match=rf"\b{field}\b"):
+        gpt_config_from_hf({**hf_config_dict("glm4_moe"), **changes})

@@ -165,3 +165,24 @@ def test_published_mtp_layer_is_carried_through_to_the_export(tmp_path):
     the export holds the MTP tensors bit for bit, at TP=2 + SP."""
     check_logits_and_export("qwen3_next", "tp2_sp", tmp_path, seq=SEQ, layouts=LAYOUTS,
                             prepare=add_mtp_layer)
+
+
+REFUSED = [  # (tiny model, config.json changes, the field the error must name)
+    ("qwen3_5", dict(hidden_act="gelu"), "hidden_act"),
+    ("qwen3_5", dict(attention_bias=True), "attention_bias"),
+    ("qwen3_5", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                                      "partial_rotary_factor": 0.25}), "rope_parameters"),
+    ("qwen3_5", dict(linear_num_value_heads=3), "linear_num_value_heads"),
+    ("qwen3_5", dict(layer_types=["linear_attention", "sliding_attention"] * 2), "layer_types"),
+    ("qwen3_next", dict(num_experts=0), "num_experts"),
+]
+
+
+@pytest.mark.parametrize("name,changes,field", REFUSED, ids=[f"{n}-{f}" for n, _, f in REFUSED])
+def test_unsupported_variants_are_refused_by_name(name, changes, field):
+    from hf_models import hf_config_dict
+    from lightning_mcore.hf.config import HFCheckpointError
+    from lightning_mcore.models import gpt_config_from_hf
+
+    with pytest.raises(HFCheckpointError, match=rf"\b{field}\b"):
+        gpt_config_from_hf({**hf_config_dict(name), **changes})

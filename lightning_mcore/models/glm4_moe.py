@@ -19,7 +19,8 @@ class Glm4Moe(DeepseekV3):
                 "num_experts_per_tok", "num_key_value_heads", "head_dim")
 
     def attention(self, hf):
-        return parts.decoder(hf, partial_rotary=True, add_qkv_bias=bool(hf.get("attention_bias")),
+        return parts.decoder(hf, rope_types=("default",), partial_rotary=True,
+                             add_qkv_bias=bool(hf.get("attention_bias")),
                              qk_layernorm=bool(hf.get("use_qk_norm")))
 
     def hf_config(self, cfg):
@@ -27,7 +28,8 @@ class Glm4Moe(DeepseekV3):
             raise HFCheckpointError(f"{self.model_type} needs GQA attention (no GPTConfig.mla) "
                                     f"and num_moe_experts.")
         parts.expressible(
-            cfg, self.model_type, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+            cfg, self.model_type, rope_types=("default",), moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
             free=("add_qkv_bias", "qk_layernorm", "rotary_percent", "num_moe_experts", "moe_layer_freq",
                   "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor",
                   "moe_router_num_groups", "moe_router_group_topk"))

@@ -25,8 +25,9 @@ class Qwen3_5(Architecture):
 
     def gpt_config(self, hf):
         parts.refuse_unless(hf, "hidden_act", ("silu", None), "only silu is supported.")
-        return parts.decoder(hf, partial_rotary=True, qk_layernorm=True, zero_centered_norm=True,
-                             attention_output_gate=True) | parts.linear_attention(hf)
+        # RoPE scaling with partial rotary is not computed here (plain RoPE only: refused by name)
+        return parts.decoder(hf, rope_types=("default",), partial_rotary=True, qk_layernorm=True,
+                             zero_centered_norm=True, attention_output_gate=True) | parts.linear_attention(hf)
 
     def carried(self, hf):
         # The published multi-token-prediction layer (mtp.*, mtp_num_hidden_layers): not
@@ -40,7 +41,7 @@ class Qwen3_5(Architecture):
         """transformers config kwargs of the hybrid decoder; `free`: fields a subclass sets."""
         if cfg.linear_attention is None:
             raise HFCheckpointError(f"{self.model_type} needs GPTConfig.linear_attention.")
-        parts.expressible(cfg, self.model_type,
+        parts.expressible(cfg, self.model_type, rope_types=("default",),
                           free=("layer_types", "linear_attention", "rotary_percent") + free,
                           qk_layernorm=True, zero_centered_norm=True, attention_output_gate=True)
         kwargs = parts.decoder_hf(cfg) | parts.linear_attention_hf(cfg)
