@@ -67,6 +67,10 @@ def test_bench_shapes_build_models_of_their_size():
     finally:
         sys.path.remove(str(BENCH))
     for name, s in shapes.items():
+        if "linear_attention" in s:  # no HF baseline for the hybrids yet: refused by name
+            with pytest.raises(ValueError, match="linear_attention"):
+                hb.build_model(s, 4096, "bf16", "meta")
+            continue
         h, L, V = s["hidden_size"], s["num_layers"], s["vocab_size"]
         hd = s.get("kv_channels") or h // s["num_attention_heads"]
         q, kv = s["num_attention_heads"] * hd, s["num_query_groups"] * hd
