@@ -186,3 +186,47 @@ def test_unsupported_variants_are_refused_by_name(name, changes, field):
 
     with pytest.raises(HFCheckpointError, match=rf"\b{field}\b"):
         gpt_config_from_hf({**hf_config_dict(name), **changes})
+
+
+@pytest.mark.distributed
+def test_expert_lora_exports_merged_with_equal_logits(tmp_path):
+    """LoRA on every linear of Qwen3-Next, routed experts and linear attention included, at EP=2:
+    the merged export (what these families take for MLP adapters) gives our logits in
+    transformers."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    from hf_models import hf_logits
+    from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
+    from lightning_mcore.model.lora import LoRAConfig
+    from test_family_gemma3 import tokens
+    from toy import TokenRows
+
+    class MergedProbe(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            logits = pl_module.forward_logits(tokens())
+            pl_module.save_hf_checkpoint(tmp_path / "merged", mode="merged")
+            if trainer.global_rank == 0:
+                torch.save(logits, tmp_path / "logits.pt")
+
+    source = tmp_path / "source"
+    hf = make_hf_model("qwen3_next", source)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[MergedProbe()],
+        strategy=MegatronStrategy(expert_model_parallel_size=2, global_batch_size=4, micro_batch_size=2,
+                                  start_method="fork"))
+    module = PretrainModule(str(source), OptimizerSettings(lr=2e-2, warmup_steps=0),
+                            model_overrides={"seq_length": 32},
+                            lora=LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0, experts=True))
+    trainer.fit(module, DataLoader(TokenRows(n=16, seq=32, vocab=200), batch_size=2))
+
+    ours = torch.load(tmp_path / "logits.pt")
+    assert (ours - hf_logits(hf, tokens())).abs().max() > 1e-3, "the adapters changed nothing"
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert (hf_logits(merged, tokens()) - ours).abs().max().item() <= 1e-4
+    base, trained = hf.state_dict(), merged.state_dict()
+    for part in ("mlp.experts.gate_up_proj", "linear_attn.in_proj_qkvz", "linear_attn.out_proj"):
+        name = next(n for n in base if part in n)
+        assert (trained[name] - base[name]).abs().max() > 1e-5, name
