@@ -64,7 +64,7 @@ def rope(hf: HFConfig, params: Optional[dict] = None,
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in kinds:
         hf.refuse(field, f"rope_type {kind!r} is not supported; supported: {', '.join(kinds)}.")
-    if not partial and rotary_fraction(hf) != 1.0:
+    if not partial and float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
         hf.refuse("partial_rotary_factor", "only 1 (RoPE on the whole head) is supported.")
     if theta != math.floor(theta):  # mcore's GPTModel takes rotary_base as an int
         hf.refuse("rope_theta", "a non-integer rope_theta is not supported.")
