@@ -230,3 +230,17 @@ def test_expert_lora_exports_merged_with_equal_logits(tmp_path):
     for part in ("mlp.experts.gate_up_proj", "linear_attn.in_proj_qkvz", "linear_attn.out_proj"):
         name = next(n for n in base if part in n)
         assert (trained[name] - base[name]).abs().max() > 1e-5, name
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_config_round_trips_through_transformers(name):
+    """config.json -> GPTConfig -> transformers' config class -> GPTConfig is the same model (what
+    an export of a model built from scratch writes)."""
+    from hf_models import hf_config_dict
+    from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
+
+    cfg, family = gpt_config_from_hf(hf_config_dict(name), seq_length=SEQ)
+    assert (cfg.rotary_percent, cfg.attention_output_gate, cfg.zero_centered_norm) == (0.25, True, True)
+    assert [cfg.is_linear_attention_layer(i) for i in range(4)] == [True, False, True, False]
+    again, _ = gpt_config_from_hf(hf_config_dict_from_gpt(cfg, family), seq_length=SEQ)
+    assert again == cfg

@@ -42,10 +42,9 @@ class Qwen3_5Moe(Qwen3_5):
             raise HFCheckpointError(f"{self.model_type} renormalises the top-k probabilities and has "
                                     f"experts on every layer: needs moe_router_pre_softmax=False, "
                                     f"moe_layer_freq=1.")
-        kwargs = self.hybrid_hf(cfg, free=self.moe_fields)
-        kwargs.pop("intermediate_size")
         moe.pop("norm_topk_prob")
-        return kwargs | moe
+        # intermediate_size (unused: no dense layer) is kept, so that it reads back the same
+        return self.hybrid_hf(cfg, free=self.moe_fields) | moe
 
     def mlp(self, cfg):
         return parts.experts(parts.H + "mlp.experts.{E}.") + parts.shared_expert()
