@@ -113,14 +113,7 @@ class DeepseekV2(Architecture):
     def expressible(self, cfg: GPTConfig, free: tuple[str, ...] = (), **fixed) -> None:
         if cfg.mla is None or not cfg.num_moe_experts:
             raise HFCheckpointError(f"{self.model_type} needs GPTConfig.mla and num_moe_experts.")
-        flags = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
-        if sorted(flags) != flags:
-            raise HFCheckpointError(f"{self.model_type} has its dense layers first, then MoE "
-                                    f"layers; moe_layer_freq={cfg.moe_layer_freq!r}.")
-        shared = cfg.moe_shared_expert_intermediate_size or 0
-        if shared % (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size):
-            raise HFCheckpointError(f"{self.model_type}: the shared experts' size must be a "
-                                    f"multiple of moe_ffn_hidden_size.")
+        self.expressible_moe(cfg)
         free += ("mla", "num_moe_experts", "moe_layer_freq", "moe_shared_expert_intermediate_size",
                  "moe_router_topk_scaling_factor")
         parts.expressible(cfg, self.model_type, free=free, rope_types=MLA_ROPE_TYPES, **fixed)
@@ -130,29 +123,49 @@ class DeepseekV2(Architecture):
             raise HFCheckpointError(f"{self.model_type} normalises the q/kv latents with eps "
                                     f"{LATENT_NORM_EPS}: needs mla.latent_norm_epsilon={LATENT_NORM_EPS}.")
 
+    def expressible_moe(self, cfg: GPTConfig) -> None:
+        """Refuse an MLP stack transformers' DeepSeek layout cannot hold (experts_hf's fields)."""
+        flags = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
+        if sorted(flags) != flags:
+            raise HFCheckpointError(f"{self.model_type} has its dense layers first, then MoE "
+                                    f"layers; moe_layer_freq={cfg.moe_layer_freq!r}.")
+        shared = cfg.moe_shared_expert_intermediate_size or 0
+        if shared % (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size):
+            raise HFCheckpointError(f"{self.model_type}: the shared experts' size must be a "
+                                    f"multiple of moe_ffn_hidden_size.")
+
     def config_hf(self, cfg: GPTConfig) -> dict:
         """transformers config kwargs both DeepSeek versions share."""
-        m, expert_ffn = cfg.mla, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        m = cfg.mla
         out = parts.decoder_hf(cfg) | dict(
             num_key_value_heads=cfg.num_attention_heads,
             q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim,
             qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+        ) | self.experts_hf(cfg)
+        del out["head_dim"]  # transformers derives it (the RoPE dim)
+        return out
+
+    def experts_hf(self, cfg: GPTConfig) -> dict:
+        """transformers config kwargs of the dense-then-MoE stack with shared experts."""
+        expert_ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        return dict(
             n_routed_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk,
             moe_intermediate_size=expert_ffn,
             n_shared_experts=(cfg.moe_shared_expert_intermediate_size or 0) // expert_ffn,
             first_k_dense_replace=sum(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)),
             routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0,
         )
-        del out["head_dim"]  # transformers derives it (the RoPE dim)
-        return out
 
     # ------------------------------------------------------------ weight table
     def weights(self, cfg):
-        moe = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)]
-        table = (parts.ends(cfg.tie_word_embeddings)
-                 + [parts.norm("input_layernorm.weight", "input_layernorm.weight"),
-                    parts.norm("pre_mlp_layernorm.weight", "post_attention_layernorm.weight")]
-                 + self.latent_attention(cfg))
+        return (parts.ends(cfg.tie_word_embeddings)
+                + [parts.norm("input_layernorm.weight", "input_layernorm.weight"),
+                   parts.norm("pre_mlp_layernorm.weight", "post_attention_layernorm.weight")]
+                + self.latent_attention(cfg) + self.mlp_weights(cfg))
+
+    def mlp_weights(self, cfg: GPTConfig) -> list[Entry]:
+        """Dense MLPs, routed experts with their router, shared experts."""
+        moe, table = [cfg.is_moe_layer(i) for i in range(cfg.num_layers)], []
         if not all(moe):
             table += parts.dense_mlp()
         if any(moe):

@@ -50,15 +50,17 @@ class DeepseekV3(DeepseekV2):
     def hf_config(self, cfg):
         self.expressible(cfg, free=("moe_router_num_groups", "moe_router_group_topk"),
                          moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+        return self.config_hf(cfg) | self.router_hf(cfg) | dict(
+            rope_interleave=cfg.mla.rope_interleave, num_nextn_predict_layers=0)
+
+    def router_hf(self, cfg):
+        """transformers config kwargs of the sigmoid router with expert groups."""
         if cfg.moe_router_group_topk and cfg.moe_router_topk // cfg.moe_router_group_topk != 2:
             raise HFCheckpointError(f"{self.model_type} ranks expert groups by their top-2 "
                                     f"scores: needs moe_router_topk / moe_router_group_topk = 2.")
         limited = bool(cfg.moe_router_group_topk)
-        return self.config_hf(cfg) | dict(
-            n_group=cfg.moe_router_num_groups if limited else 1,
-            topk_group=cfg.moe_router_group_topk if limited else 1,
-            norm_topk_prob=True, rope_interleave=cfg.mla.rope_interleave,
-            num_nextn_predict_layers=0)
+        return dict(n_group=cfg.moe_router_num_groups if limited else 1,
+                    topk_group=cfg.moe_router_group_topk if limited else 1, norm_topk_prob=True)
 
     def router_weights(self, cfg):
         # HF keeps the bias in float32 whatever the model's dtype; so does mcore.

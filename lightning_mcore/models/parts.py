@@ -225,9 +225,11 @@ def expressible(cfg: GPTConfig, family: str, free: tuple[str, ...] = (),
         raise HFCheckpointError(f"rope_scaling {cfg.rope_scaling!r} is not supported.")
 
 
-def decoder_hf(cfg: GPTConfig, act: str = "silu") -> dict:
-    """transformers config kwargs of a Llama-style decoder."""
-    return dict(
+def decoder_hf(cfg: GPTConfig, act: str = "silu", partial_rotary: bool = False) -> dict:
+    """transformers config kwargs of a Llama-style decoder; `partial_rotary`: as
+    transformers 5's rope_parameters with cfg.rotary_percent as partial_rotary_factor (the
+    families that read it there)."""
+    out = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.ffn_hidden_size,
@@ -245,6 +247,11 @@ def decoder_hf(cfg: GPTConfig, act: str = "silu") -> dict:
         rope_theta=float(cfg.rotary_base),
         rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None,
     )
+    if partial_rotary:
+        out["rope_parameters"] = {"rope_type": "default", **(out.pop("rope_scaling") or {}),
+                                  "rope_theta": out.pop("rope_theta"),
+                                  "partial_rotary_factor": cfg.rotary_percent}
+    return out
 
 
 def sliding_window_hf(cfg: GPTConfig) -> dict:

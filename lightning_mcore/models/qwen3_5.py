@@ -44,10 +44,7 @@ class Qwen3_5(Architecture):
         parts.expressible(cfg, self.model_type, rope_types=("default",),
                           free=("layer_types", "linear_attention", "rotary_percent") + free,
                           qk_layernorm=True, zero_centered_norm=True, attention_output_gate=True)
-        kwargs = parts.decoder_hf(cfg) | parts.linear_attention_hf(cfg)
-        kwargs.pop("rope_scaling")
-        return kwargs | dict(rope_parameters={"rope_type": "default", "rope_theta": kwargs.pop("rope_theta"),
-                                              "partial_rotary_factor": cfg.rotary_percent})
+        return parts.decoder_hf(cfg, partial_rotary=True) | parts.linear_attention_hf(cfg)
 
     def weights(self, cfg):
         return (parts.ends(cfg.tie_word_embeddings) + parts.gated_attention()
