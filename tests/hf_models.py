@@ -66,6 +66,14 @@ FAMILIES = {
         head_dim=16, attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
         routed_scaling_factor=2.5, num_nextn_predict_layers=0)),
+    # Sinks, q/k/v/o biases, windowed and full layers alternating (both on each PP=2 stage),
+    # YaRN with unrounded correction range; router and experts with biases, a swiglu_limit the
+    # tiny model's activations cross (so the clamp acts)
+    "gpt_oss": lambda: (tf.GptOssConfig, tf.GptOssForCausalLM, dict(
+        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, swiglu_limit=0.2, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
     # Multi-latent attention, YaRN, 1 dense layer then MoE with a shared expert; V3: sigmoid
     # router with a (randomised) bias, 2 groups of 2 experts, one group chosen.
     "deepseek_v3": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(DEEPSEEK, **YARN)),

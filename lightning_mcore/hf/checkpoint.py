@@ -95,3 +95,28 @@ class SafetensorsReader:
         index = [slice(None)] * len(sl.get_shape())
         index[dim] = slice(start, stop)
         return sl[tuple(index)]
+
+    def get_expert(self, name: str, expert: int, dim: int = 0, start: Optional[int] = None,
+                   stop: Optional[int] = None) -> torch.Tensor:
+        """Rows [start, stop) along `dim` of `expert`'s slice of a tensor stacking every
+        expert along dim 0 (reading that slice only)."""
+        sl = self._slice(name)
+        index = [slice(None)] * len(sl.get_shape())
+        index[0] = slice(expert, expert + 1)
+        index[dim + 1] = slice(start, stop)
+        return sl[tuple(index)][0]
+
+
+class ExpertView:
+    """One expert of a reader whose tensors stack every expert along dim 0: the transforms'
+    reader interface on [expert] (an Entry with stacked=True)."""
+
+    def __init__(self, reader, expert: int) -> None:
+        self.reader, self.expert = reader, expert
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.reader.shape(name)[1:])
+
+    def get(self, name: str, dim: int = 0, start: Optional[int] = None,
+            stop: Optional[int] = None) -> torch.Tensor:
+        return self.reader.get_expert(name, self.expert, dim, start, stop)

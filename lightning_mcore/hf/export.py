@@ -56,7 +56,7 @@ def _refuse_incomplete(weights: list[Entry], plan) -> None:
     """Every tensor of the table outside the layers (embedding, final norm, a vision encoder...)
     must have an owner on some rank: a model built without one (e.g. a vision encoder never
     attached) would otherwise give a directory that transformers fills with random weights."""
-    written = {name for _, _, names, _, _ in plan for name in names}
+    written = {name for _, _, names, *_ in plan for name in names}
     missing = sorted(n for e in weights if e.export and "{L}" not in e.mcore and "{E}" not in e.mcore
                      for n in e.hf_names() if n not in written)
     if missing:
@@ -85,9 +85,18 @@ class _ShardWriter:
         self.directory, self.max_bytes = directory, max_bytes
         self.buffer: dict[str, torch.Tensor] = {}
         self.files: list[tuple[str, list[str]]] = []
+        self.pieces: dict[str, list[torch.Tensor]] = {}  # experts of a stacked tensor so far
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        self.buffer[name] = tensor.detach().to("cpu").contiguous()
+    def add(self, name: str, tensor: torch.Tensor, stack: int = 0) -> None:
+        """Buffer `name`; with `stack` > 0, `tensor` is the next of `stack` experts' slices of
+        it (they arrive in expert order), written stacked once all have come."""
+        tensor = tensor.detach().to("cpu")
+        if stack:
+            self.pieces.setdefault(name, []).append(tensor)
+            if len(self.pieces[name]) < stack:
+                return
+            tensor = torch.stack(self.pieces.pop(name))
+        self.buffer[name] = tensor.contiguous()
         if sum(t.numel() * t.element_size() for t in self.buffer.values()) >= self.max_bytes:
             self.flush()
 
@@ -100,6 +109,8 @@ class _ShardWriter:
         self.buffer = {}
 
     def finish(self) -> None:
+        if self.pieces:
+            raise RuntimeError(f"export: {', '.join(sorted(self.pieces))} did not receive every expert.")
         self.flush()
         total = len(self.files)
         if total == 1:
@@ -142,15 +153,16 @@ def export_hf(
     dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
 
     # Who sends what: (key, source rank, HF names, their shapes, dtype) from every rank's items.
+    # (key, HF names, their shapes, dtype, experts stacked into each name: 0 for none)
     mine = [(key, entry.hf_names(layer, expert),
-             [tuple(size_of(s, symbols) for s in shape) for shape in entry.shapes],
-             str(param.dtype).removeprefix("torch."))
+             [tuple(size_of(s, symbols) for s in shape[entry.stacked:]) for shape in entry.shapes],
+             str(param.dtype).removeprefix("torch."), cfg.num_moe_experts if entry.stacked else 0)
             for key, param, entry, layer, expert in items if _is_sender(entry.expert)]
     everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather_object(everyone, mine)
-    plan = sorted((key, src, names, shapes, dt)
-                  for src, lst in enumerate(everyone) for key, names, shapes, dt in lst)
+    plan = sorted((key, src, names, shapes, dt, stack)
+                  for src, lst in enumerate(everyone) for key, names, shapes, dt, stack in lst)
     _refuse_incomplete(weights, plan)
 
     staging = staged_dir(out_dir, {"format": "transformers"}) if rank == 0 else contextlib.nullcontext()
@@ -171,7 +183,8 @@ def _send_tensors(items, plan, rank: int, dims, writer: Optional[_ShardWriter]) 
     """Every owned tensor, in the plan's global order, into rank 0's writer."""
     own = iter(items)
     device = items[0][1].device if items else torch.device("cpu")
-    for key, src, names, shapes, dt in (plan if rank == 0 else [(k, rank, None, None, None) for k, *_ in items]):
+    for key, src, names, shapes, dt, stack in (
+            plan if rank == 0 else [(k, rank, None, None, None, 0) for k, *_ in items]):
         if src == rank:
             _, param, entry, layer, expert = next(own)
             tensors = entry.transform.save(gather_shards(param, entry.expert), entry.hf_names(layer, expert), dims)
@@ -179,14 +192,14 @@ def _send_tensors(items, plan, rank: int, dims, writer: Optional[_ShardWriter]) 
                 continue
             for name, tensor in tensors.items():
                 if rank == 0:
-                    writer.add(name, tensor)
+                    writer.add(name, tensor, stack)
                 else:
                     dist.send(tensor.contiguous(), dst=0)
         else:  # rank 0 receives another group's tensors, in the sender's order
             for name, shape in zip(names, shapes):
                 buf = torch.empty(shape, dtype=getattr(torch, dt), device=device)
                 dist.recv(buf, src=src)
-                writer.add(name, buf)
+                writer.add(name, buf, stack)
 
 
 def _is_sender(expert: bool) -> bool:
@@ -213,6 +226,7 @@ def _write_metadata(directory: Path, hf_config: Optional[dict], source_dir, dtyp
         config = json.loads((source / "config.json").read_text())
     else:
         config = dict(hf_config)
+    config.pop("quantization_config", None)  # the weights are written unquantized (hf/mxfp4.py)
     config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = _DTYPE_NAMES[dtype]
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     copy_files(source, directory, ("generation_config.json",) + TOKENIZER_FILES + PROCESSOR_FILES)

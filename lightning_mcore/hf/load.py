@@ -7,15 +7,17 @@ from pathlib import Path
 
 import torch
 
-from lightning_mcore.hf.checkpoint import CheckpointError, SafetensorsReader
+from lightning_mcore.hf.checkpoint import CheckpointError, ExpertView, SafetensorsReader
 from lightning_mcore.hf.mappings import Entry, local_name, shape_symbols
+from lightning_mcore.hf.mxfp4 import quantized_view
 from lightning_mcore.hf.transforms import Dims
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # The config.json fields behind the shape symbols of the mapping tables.
 _FIELDS = {"h": "hidden_size", "q": "num_attention_heads*head_dim", "kv": "num_key_value_heads*head_dim",
            "d": "head_dim", "f": "intermediate_size", "mf": "moe_intermediate_size",
-           "V": "vocab_size", "E": "num_experts",
+           "V": "vocab_size", "E": "num_experts", "nh": "num_attention_heads",
+           "2mf": "2*moe_intermediate_size",
            "sf": "shared_expert_intermediate_size", "1": "1",
            "ql": "q_lora_rank", "kvl": "kv_lora_rank", "kva": "kv_lora_rank+qk_rope_head_dim",
            "qh": "num_attention_heads*(qk_nope_head_dim+qk_rope_head_dim)",
@@ -122,13 +124,15 @@ def load_hf_weights(chunks, directory, cfg, weights: list[Entry], padded_vocab: 
     entries = weights
     dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
     read: set[str] = set()
-    with SafetensorsReader(directory) as reader:
+    with SafetensorsReader(directory) as raw:
+        reader = quantized_view(raw, config, dtype)
         for chunk in chunks:
             for param, entry, layer, expert in chunk_parameters(chunk, entries, cfg, ranks["ep"]):
                 names = entry.hf_names(layer, expert)
                 _check(reader, names, entry, symbols, dtype)
                 rank, size = ranks["etp"] if entry.expert else ranks["tp"]
-                shard = entry.transform.load(reader, names, rank, size, dims)
+                source = ExpertView(reader, expert) if entry.stacked else reader
+                shard = entry.transform.load(source, names, rank, size, dims)
                 if tuple(shard.shape) != tuple(param.shape):
                     raise CheckpointError(
                         f"{', '.join(names)} give a shard of shape {list(shard.shape)} for mcore "

@@ -4,8 +4,8 @@ lightning_mcore/models/ builds its table from them).
 An entry names the mcore parameter (local layer spec names, inside one GPTModel chunk), the
 HF tensors it is made of, the transform between them (which also states the tensor-parallel
 dimension), and the HF shapes in symbols checked against the config before any read:
-    h hidden, q heads x head_dim, q2 twice that (queries and their output gates), kv groups x
-    head_dim, d head_dim, f ffn, mf expert ffn, sf shared-expert ffn, V vocab, E experts, 1 one;
+    h hidden, nh heads, q heads x head_dim, q2 twice that (queries and their output gates), kv groups x
+    head_dim, d head_dim, f ffn, mf expert ffn, 2mf twice that, sf shared-expert ffn, V vocab, E experts, 1 one;
     multi-latent attention: ql / kvl q / kv latent ranks, kva kv latent + RoPE dim, qh heads x
     q head, kvb heads x (k + v head), o heads x v head; linear attention: lk key heads x key dim,
     lv value heads x value dim, lh value heads, lc 2 lk + lv (convolution channels), dv value dim, ck convolution kernel; lc+lv, 2lh.
@@ -31,6 +31,9 @@ class Entry:
     expert: bool = False  # sharded over expert-tensor-parallel ranks, experts over EP
     export: bool = True  # False: the HF tensors are written by another entry (tied output)
     dtype: Optional[str] = None  # stored in this safetensors dtype whatever the model's (e.g. "F32")
+    # The HF tensors stack every expert along dim 0 ([E, ...], `shapes` say so); this entry is
+    # expert {E}'s slice of them, which its transform sees as a tensor of its own.
+    stacked: bool = False
 
     def pattern(self) -> re.Pattern:
         text = re.escape(self.mcore).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
@@ -70,6 +73,8 @@ TE_TO_LOCAL = (
      r"\1self_attention.kv_layernorm.weight"),
     (re.compile(r"^(.*)mlp\.experts\.linear_fc(\d)\.weight(\d+)$"),
      r"\1mlp.experts.local_experts.\3.linear_fc\2.weight"),
+    (re.compile(r"^(.*)mlp\.experts\.linear_fc(\d)\.bias(\d+)$"),
+     r"\1mlp.experts.local_experts.\3.linear_fc\2.bias"),
 )
 
 
@@ -90,7 +95,7 @@ def shape_symbols(cfg) -> dict[str, int]:
         "mf": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, "V": cfg.vocab_size,
         "E": cfg.num_moe_experts or 0, "sf": cfg.moe_shared_expert_intermediate_size or 0, "1": 1,
     }
-    out["q2"] = 2 * out["q"]
+    out.update(q2=2 * out["q"], nh=cfg.num_attention_heads, **{"2mf": 2 * out["mf"]})
     if cfg.linear_attention is not None:
         la = cfg.linear_attention
         lk, lv = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim

@@ -314,3 +314,44 @@ class RopeRows(Transform):
 
     def __repr__(self) -> str:
         return f"RopeRows({self.block}, {self.rope})"
+
+
+class InterleavedGateUp(Transform):
+    """One fused gate_up tensor whose gate and up alternate along its output dimension
+    (gate at even, up at odd positions) <-> linear_fc1 ([gate_i; up_i] on rank i). `transposed`:
+    HF holds the weight as [in, out] (a bias is [out] either way)."""
+
+    tp_dim = 0
+
+    def __init__(self, transposed: bool = False) -> None:
+        self.transposed = transposed
+
+    def load(self, reader, names, rank, size, dims):
+        fused = reader.get(names[0])
+        fused = fused.t() if self.transposed else fused
+        return gate_up_shard(fused[0::2], fused[1::2], rank, size).contiguous()
+
+    def save(self, shards, names, dims):
+        gate, up = gate_up_unshard(shards)
+        fused = torch.stack([gate, up], dim=1).flatten(0, 1)
+        return {names[0]: fused.t().contiguous() if self.transposed else fused}
+
+    def __repr__(self) -> str:
+        return f"InterleavedGateUp(transposed={self.transposed})"
+
+
+class Transposed(Transform):
+    """HF holds the weight as [in, out] (mcore [out, in]); split along mcore's `dim`."""
+
+    def __init__(self, dim: int) -> None:
+        self.tp_dim = dim
+
+    def load(self, reader, names, rank, size, dims):
+        step = reader.shape(names[0])[1 - self.tp_dim] // size
+        return reader.get(names[0], 1 - self.tp_dim, rank * step, (rank + 1) * step).t().contiguous()
+
+    def save(self, shards, names, dims):
+        return {names[0]: torch.cat(list(shards), dim=self.tp_dim).t().contiguous()}
+
+    def __repr__(self) -> str:
+        return f"Transposed({self.tp_dim})"

@@ -8,6 +8,11 @@ so it drops into `submodules.core_attention`.
 Sliding windows follow mcore's config (`window_size`=(left, 0), `window_attn_skip_freq`) as
 its own attention and TE's do: a windowed layer's query q sees keys q - left <= k <= q, within
 its own sequence when sequences are packed.
+
+Attention sinks (mcore's softmax_type="learnable"): each head has a learnable logit that joins
+the softmax's denominator only. SDPA computes it with one more key per query group whose
+value is zero and whose score is the head's sink (an additive mask column): its weight
+exp(sink) / (exp(sink) + sum exp(s)) adds nothing to the output.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import (
+    is_layer_window_attention,
+    make_sharded_tensors_for_checkpoint,
+)
 
 from lightning_mcore.model.packing import block_causal_mask, causal_mask
 
@@ -56,6 +65,15 @@ class SDPAttention(MegatronModule):
                 raise ValueError(f"window_size={config.window_size}: SDPAttention is causal, "
                                  f"so it takes windows (left, 0) only.")
             self.window = None if left < 0 else left + 1
+        self.softmax_offset = None
+        if config.softmax_type == "learnable":  # this rank's heads' sinks (zero: layout-invariant)
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(
+                heads, dtype=config.params_dtype,
+                device="cpu" if config.use_cpu_initialization else torch.cuda.current_device()))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by SDPAttention.")
 
     def forward(
         self,
@@ -84,6 +102,11 @@ class SDPAttention(MegatronModule):
             # Keys further back than the window exist: causal alone would let queries see them.
             window = causal_mask(sq, sk, self.window, query.device)
             mask = window if mask is None else mask & window
+        if self.softmax_offset is not None:
+            if mask is None:
+                mask = (causal_mask(sq, sk, None, query.device) if mask_type == AttnMaskType.causal
+                        else torch.ones(sq, sk, dtype=torch.bool, device=query.device))
+            k, v, mask = _with_sink(k, v, mask, self.softmax_offset, q.dtype)
         is_causal = mask is None and mask_type == AttnMaskType.causal
         dropout = self.dropout_p if self.training else 0.0
         rng = (
@@ -100,3 +123,27 @@ class SDPAttention(MegatronModule):
         return out.squeeze(1) if packed_seq_params is not None else out
 
 
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The sinks split over tensor-parallel ranks by head, as mcore's attention saves them."""
+        if self.softmax_offset is None:
+            return {}
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0},
+            sharded_offsets, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
+def _with_sink(k, v, mask, sinks, dtype):
+    """k, v [b, groups, sk, d] with a zero key and value appended, and the boolean `mask`
+    ([sq, sk] or [b, 1, sq, sk]; True: attend) as an additive [b, heads, sq, sk + 1] mask
+    whose extra column is each head's sink."""
+    b, groups, _, d = k.shape
+    zero = k.new_zeros(b, groups, 1, d)
+    k, v = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    heads = sinks.shape[0]
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    bias = bias.expand(mask.shape[0], heads, *mask.shape[2:])
+    sink = sinks.to(dtype).view(1, heads, 1, 1).expand(*bias.shape[:-1], 1)
+    return k, v, torch.cat([bias, sink], dim=-1)

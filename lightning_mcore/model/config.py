@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
 TransformerImpl = Literal["auto", "transformer_engine", "local"]
-Activation = Literal["silu", "gelu_tanh"]
+# Of the gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), quick_gelu (x * sigmoid(1.702 x) gating;
+# with glu_linear_offset=1 and activation_clamp, GPT-OSS's clamped SwiGLU)
+Activation = Literal["silu", "gelu_tanh", "quick_gelu"]
 
 
 @dataclass
@@ -96,7 +99,15 @@ class GPTConfig:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     # Architecture variants
-    activation: Activation = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    activation: Activation = "silu"  # of the gated MLP (see Activation)
+    glu_linear_offset: float = 0.0  # the gated MLP computes act(gate) * (up + offset)
+    # gate clamped to <= it and up to [-it, it] before the activation (mcore's
+    # activation_func_clamp_value); None: no clamp
+    activation_clamp: Optional[float] = None
+    add_bias_linear: bool = False  # every linear has a bias (attention, MLP, router, experts)
+    # A learnable per-head logit ("sink") in every attention softmax's denominator: weights
+    # exp(s_j) / (exp(sink) + sum_k exp(s_k)) (mcore's softmax_type="learnable")
+    attention_sinks: bool = False
     zero_centered_norm: bool = False  # norms scale by (1 + weight) (Gemma)
     post_norms: bool = False  # also a norm on the attention and MLP outputs (Gemma 2/3)
     embedding_scale: Optional[float] = None  # embeddings are multiplied by it (Gemma: sqrt(h))
@@ -220,9 +231,9 @@ class GPTConfig:
         if self.hidden_size % 8 or ffn % 8:
             return (f"torch's grouped GEMM needs hidden_size ({self.hidden_size}) and moe_ffn_hidden_size "
                     f"({ffn}) to be multiples of 8 (16-byte rows)", ("hidden_size", "moe_ffn_hidden_size"))
-        if self.extra.get("add_bias_linear"):
-            return ("it computes the experts without biases; extra.add_bias_linear=True would leave "
-                    "them out", ("extra",))
+        if self.add_bias_linear or self.extra.get("add_bias_linear"):
+            return ("it computes the experts without biases; add_bias_linear=True would leave "
+                    "them out", ("add_bias_linear",))
         if self.fp8:
             return f"it runs the experts unquantized: fp8={self.fp8!r} would not reach them", ("fp8",)
         if "moe_act" in (self.recompute_modules or ()):
@@ -285,7 +296,20 @@ def refuse_longer(seq: int, seq_length: int, what: str) -> None:
 ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+    "quick_gelu": quick_gelu,
 }
+
+
+def attention_scale(cfg: GPTConfig) -> Optional[float]:
+    """The softmax scale: softmax_scale (1/sqrt(head_dim) when None) times YaRN's attention
+    factor squared, which transformers applies to the RoPE cos/sin of queries and keys alike
+    (the cached keys included), i.e. to every score."""
+    from lightning_mcore.model.rope import yarn_attention_factor
+
+    factor = yarn_attention_factor(cfg.rope_scaling) if cfg.mla is None else 1.0
+    if factor == 1.0:
+        return cfg.softmax_scale
+    return (cfg.softmax_scale or cfg.head_dim**-0.5) * factor**2
 
 
 def _fields(cls) -> set[str]:
@@ -344,9 +368,12 @@ def to_transformer_config(
         layernorm_zero_centered_gamma=cfg.zero_centered_norm,
         gated_linear_unit=True,
         activation_func=ACTIVATIONS[cfg.activation],
-        softmax_scale=cfg.softmax_scale,
-        add_bias_linear=False,
-        add_qkv_bias=cfg.add_qkv_bias,
+        softmax_scale=attention_scale(cfg),
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias or cfg.add_bias_linear,
+        glu_linear_offset=cfg.glu_linear_offset,
+        activation_func_clamp_value=cfg.activation_clamp,
+        softmax_type="learnable" if cfg.attention_sinks else "vanilla",
         qk_layernorm=cfg.qk_layernorm,
         init_method_std=cfg.init_method_std,
         attention_dropout=cfg.attention_dropout,
@@ -370,7 +397,7 @@ def to_transformer_config(
         bias_activation_fusion=use_te and cfg.activation == "silu",  # mcore fuses silu/gelu only
         masked_softmax_fusion=use_te,
         persist_layer_norm=use_te,
-        bias_dropout_fusion=use_te,
+        bias_dropout_fusion=use_te and not cfg.add_bias_linear,  # TE's grouped experts refuse both
         cross_entropy_loss_fusion=use_te,
         # TE's kernel keeps the logits in bf16 (mcore's saves their float32 softmax)
         cross_entropy_fusion_impl="te" if use_te and te_cross_entropy_in_fp32() else "native",

@@ -40,7 +40,7 @@ ROPE_FACTORS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings"),  # multi-latent attention only
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
 ROPE_OPTIONS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
@@ -96,7 +96,7 @@ def decoder(hf: HFConfig, act: str = "silu", rope_types: tuple[str, ...] = SUPPO
     `partial_rotary`: RoPE on partial_rotary_factor of each head; `fields` add or replace
     (e.g. add_qkv_bias=True)."""
     refuse_unless(hf, "hidden_act", (act, None), f"only {act} is supported for this family.")
-    if hf.get("attention_bias") and not fields.get("add_qkv_bias"):
+    if hf.get("attention_bias") and not (fields.get("add_qkv_bias") or fields.get("add_bias_linear")):
         hf.refuse("attention_bias", "attention projection biases (incl. o_proj) are not supported.")
     if hf.get("mlp_bias"):
         hf.refuse("mlp_bias", "MLP biases are not supported.")
@@ -206,7 +206,8 @@ VARIANT_FIELDS = (
     "mla", "mrope", "vision", "num_moe_experts", "moe_layer_freq", "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate", "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
-    "rotary_percent", "attention_output_gate", "linear_attention",
+    "rotary_percent", "attention_output_gate", "linear_attention", "add_bias_linear",
+    "attention_sinks", "glu_linear_offset", "activation_clamp",
 )
 _DEFAULTS = GPTConfig()
 

@@ -231,6 +231,14 @@ def _validate_model(p: ParallelConfig, model: "GPTConfig", world_size: int) -> N
             + (("virtual_pipeline_model_parallel_size",) if p.virtual_pipeline_model_parallel_size else ()),
             fields=("num_layers",),
         )
+    etp = p.expert_tensor_parallel_size or tp
+    if model.num_moe_experts and model.add_bias_linear and etp > 1:
+        raise LayoutError(
+            f"experts with biases (add_bias_linear) are computed by mcore at expert tensor-parallel "
+            f"size 1 only; got {etp}"
+            + ("" if p.expert_tensor_parallel_size else " (it defaults to tensor_model_parallel_size)")
+            + ". Set expert_tensor_parallel_size=1 (experts split over expert_model_parallel_size instead).",
+            options=("expert_tensor_parallel_size", "tensor_model_parallel_size"), fields=("add_bias_linear",))
     ep = p.expert_model_parallel_size
     if ep > 1 and not model.num_moe_experts:
         raise LayoutError(

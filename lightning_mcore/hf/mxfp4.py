@@ -1,0 +1,82 @@
+"""MXFP4 weights as published (config.json quantization_config.quant_method "mxfp4"): each
+tensor X is stored as X_blocks [..., out, G, 16] (uint8, two 4-bit E2M1 values per byte, low
+nibble first) and X_scales [..., out, G] (uint8 E8M0 exponents, bias 127), one scale per block
+of 32 values along the input dimension. Dequantized as transformers does
+(integrations/mxfp4.py), into [..., in, out]: every value is a 4-bit value times a power of two,
+exact in bfloat16 and float32. We train and export the dequantized weights (bf16), not MXFP4.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lightning_mcore.hf.checkpoint import CheckpointError
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+BLOCKS, SCALES = "_blocks", "_scales"
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [..., out, G, B] and scales [..., out, G] -> float32 [..., in = G * 2B, out]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise CheckpointError(f"MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) and scales "
+                              f"{list(scales.shape)} ({scales.dtype}) do not match: expected uint8 "
+                              f"[..., out, G, B] and [..., out, G].")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    values = torch.ldexp(values.flatten(-2), (scales.to(torch.int32) - 127).unsqueeze(-1))
+    return values.flatten(-2).transpose(-1, -2)
+
+
+class MXFP4Reader:
+    """A checkpoint reader (hf/checkpoint.py's interface) that shows each X_blocks/X_scales
+    pair as the dequantized X, in `dtype` (the checkpoint's other weights' safetensors dtype)."""
+
+    def __init__(self, reader, dtype: str) -> None:
+        self.reader, self.dtype_name = reader, dtype
+        self.quantized = {n[: -len(BLOCKS)] for n in reader.files
+                          if n.endswith(BLOCKS) and n[: -len(BLOCKS)] + SCALES in reader.files}
+        files = {n: p for n, p in reader.files.items()
+                 if not (n.endswith((BLOCKS, SCALES)) and n[: -len(BLOCKS)] in self.quantized)}
+        self.files = files | {n: reader.files[n + BLOCKS] for n in self.quantized}
+
+    def shape(self, name: str) -> tuple:
+        if name not in self.quantized:
+            return self.reader.shape(name)
+        *lead, out, groups, block = self.reader.shape(name + BLOCKS)
+        return (*lead, groups * block * 2, out)
+
+    def dtype(self, name: str) -> str:
+        return self.dtype_name if name in self.quantized else self.reader.dtype(name)
+
+    def get(self, name: str, dim: int = 0, start: Optional[int] = None,
+            stop: Optional[int] = None) -> torch.Tensor:
+        if name not in self.quantized:
+            return self.reader.get(name, dim, start, stop)
+        return _rows(dequantize(self.reader.get(name + BLOCKS), self.reader.get(name + SCALES)), dim, start, stop)
+
+    def get_expert(self, name: str, expert: int, dim: int = 0, start: Optional[int] = None,
+                   stop: Optional[int] = None) -> torch.Tensor:
+        if name not in self.quantized:
+            return self.reader.get_expert(name, expert, dim, start, stop)
+        blocks = self.reader.get_expert(name + BLOCKS, expert)
+        return _rows(dequantize(blocks, self.reader.get_expert(name + SCALES, expert)), dim, start, stop)
+
+
+def _rows(t: torch.Tensor, dim: int, start: Optional[int], stop: Optional[int]) -> torch.Tensor:
+    return t if start is None and stop is None else t.narrow(dim, start or 0, (stop or t.shape[dim]) - (start or 0))
+
+
+def quantized_view(reader, config: dict, dtype: Optional[str]):
+    """`reader` as the model's weights read: MXFP4 tensors dequantized; a checkpoint in another
+    quantization is refused (its weights would load as their raw codes)."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return reader
+    if quant.get("quant_method") != "mxfp4":
+        raise CheckpointError(f"config.json quantization_config.quant_method="
+                              f"{quant.get('quant_method')!r}: only mxfp4 checkpoints are read "
+                              f"(dequantized); convert this one to bf16 first.")
+    return MXFP4Reader(reader, dtype or "BF16")
