@@ -104,26 +104,33 @@ def check_peft_export(family: str, parallel: dict, targets, rows: int, tmp_path)
 
 @pytest.mark.distributed
 def test_training_is_layout_invariant_and_resumes_at_another_layout(tmp_path):
-    """From scratch (layout-invariant initial weights, A_log included): 6 steps at TP=2 + SP
-    have the losses of 6 at TP=1; a TP=2 + SP checkpoint after 3 resumes at TP=1 and at PP=2 and
-    continues with the same losses."""
+    check_layout_invariant_training("qwen3_5", dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                                    tmp_path)
+
+
+def check_layout_invariant_training(family: str, tp2: dict, tmp_path, reference=(1, {}),
+                                    resume_at=(("tp1", 1, {}), ("pp2", 2, dict(pipeline_model_parallel_size=2))),
+                                    **changes) -> None:
+    """From scratch (layout-invariant initial weights, A_log and biases included): 6 steps at
+    `tp2` (a 2-rank layout) have the losses of 6 at `reference` (devices, layout; one process by
+    default); a `tp2` checkpoint after 3 resumes at each of `resume_at` and continues with the
+    same losses. `changes`: GPTConfig fields replaced."""
     import dataclasses
 
     from hf_models import hf_config_dict
     from lightning_mcore.models import gpt_config_from_hf
     from toy import fit_with_checkpoints as run
 
-    cfg, _ = gpt_config_from_hf(hf_config_dict("qwen3_5"))
-    cfg = dataclasses.replace(cfg, vocab_size=512, seq_length=32)  # the sample tokenizer's vocab
-    tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    cfg, _ = gpt_config_from_hf(hf_config_dict(family))
+    cfg = dataclasses.replace(cfg, vocab_size=512, seq_length=32, **changes)  # the sample tokenizer's vocab
     straight = run(tmp_path, "straight", 2, config=cfg, **tp2)
     assert straight[-1] < straight[0]
-    one = run(tmp_path, "one", 1, config=cfg)
+    one = run(tmp_path, "one", reference[0], config=cfg, **reference[1])
     for got, want in zip(one, straight):
         assert abs(got - want) <= 1e-5 * abs(want), (one, straight)
     run(tmp_path, "first", 2, stop=3, config=cfg, **tp2)
     saved = str(tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt")
-    for name, devices, layout in (("tp1", 1, {}), ("pp2", 2, dict(pipeline_model_parallel_size=2))):
+    for name, devices, layout in resume_at:
         resumed = run(tmp_path, name, devices, ckpt_path=saved, config=cfg, **layout)
         for got, want in zip(resumed, straight[3:]):
             assert abs(got - want) <= 1e-5 * abs(want), (name, resumed, straight[3:])
@@ -193,6 +200,15 @@ def test_expert_lora_exports_merged_with_equal_logits(tmp_path):
     """LoRA on every linear of Qwen3-Next, routed experts and linear attention included, at EP=2:
     the merged export (what these families take for MLP adapters) gives our logits in
     transformers."""
+    base, trained = check_merged_lora("qwen3_next", tmp_path)
+    for part in ("mlp.experts.gate_up_proj", "linear_attn.in_proj_qkvz", "linear_attn.out_proj"):
+        name = next(n for n in base if part in n)
+        assert (trained[name] - base[name]).abs().max() > 1e-5, name
+
+
+def check_merged_lora(family: str, tmp_path):
+    """3 steps of LoRA on every linear, experts included, at EP=2; the merged export's logits in
+    transformers equal ours (and differ from the base's). Returns the base and merged state dicts."""
     import lightning as L
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM
@@ -211,7 +227,7 @@ def test_expert_lora_exports_merged_with_equal_logits(tmp_path):
                 torch.save(logits, tmp_path / "logits.pt")
 
     source = tmp_path / "source"
-    hf = make_hf_model("qwen3_next", source)
+    hf = make_hf_model(family, source)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[MergedProbe()],
@@ -226,10 +242,7 @@ def test_expert_lora_exports_merged_with_equal_logits(tmp_path):
     assert (ours - hf_logits(hf, tokens())).abs().max() > 1e-3, "the adapters changed nothing"
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     assert (hf_logits(merged, tokens()) - ours).abs().max().item() <= 1e-4
-    base, trained = hf.state_dict(), merged.state_dict()
-    for part in ("mlp.experts.gate_up_proj", "linear_attn.in_proj_qkvz", "linear_attn.out_proj"):
-        name = next(n for n in base if part in n)
-        assert (trained[name] - base[name]).abs().max() > 1e-5, name
+    return hf.state_dict(), merged.state_dict()
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])

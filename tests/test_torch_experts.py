@@ -63,7 +63,6 @@ def test_refusals_name_the_key():
     _check("moe_grouped_gemm True or None", moe_grouped_gemm=False)
     _check("fp8", moe_grouped_gemm=True, fp8="current")
     _check("multiples of 8", moe_grouped_gemm=True, moe_ffn_hidden_size=60)
-    _check("add_bias_linear", moe_grouped_gemm=True, extra={"add_bias_linear": True})
     _check("moe_preprocess", moe_grouped_gemm=True, cuda_graphs=["attn", "moe_router", "moe_preprocess"])
     # TE's grouped experts without TE (CPU): refused before a rank builds mcore's legacy GroupedMLP
     with pytest.raises(ExpertGemmError, match="needs TE on a GPU"):
@@ -106,7 +105,7 @@ def test_auto_picks_torch_where_it_runs():
     assert not moe(moe_grouped_gemm=False).grouped_experts  # mcore's SequentialMLP loop
     assert not moe(moe_grouped_gemm=True, moe_grouped_gemm_backend="te").torch_experts
     assert moe(moe_grouped_gemm_backend="te").mcore_grouped_gemm  # a backend asked for: grouped
-    for needs_te in (dict(fp8="delayed"), dict(moe_ffn_hidden_size=60), dict(extra={"add_bias_linear": True}),
+    for needs_te in (dict(fp8="delayed"), dict(moe_ffn_hidden_size=60),
                      dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
                      dict(cuda_graphs=["attn", "moe_router", "moe_preprocess"])):
         assert not moe(moe_grouped_gemm=True, **needs_te).torch_experts, needs_te

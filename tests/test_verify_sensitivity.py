@@ -80,6 +80,9 @@ CORRUPTIONS = [
     ("qwen3_next", "model.layers.3.mlp.experts.1.down_proj.weight", "scale:2", "model.layers.3"),
     ("glm4_moe", "model.layers.1.self_attn.k_proj.bias", "scale:2", "model.layers.1"),
     ("glm4_moe", "model.layers.2.mlp.gate.e_score_correction_bias", "scale:3", "model.layers.2"),
+    ("gpt_oss", "model.layers.1.self_attn.sinks", "scale:3", "model.layers.1"),
+    ("gpt_oss", "model.layers.2.mlp.experts.gate_up_proj", "scale:2", "model.layers.2"),  # expert 1
+    ("gpt_oss", "model.layers.0.mlp.router.bias", "scale:3", "model.layers.0"),
 ]
 FAMILIES = sorted({family for family, *_ in CORRUPTIONS})
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
@@ -65,9 +65,11 @@ class SDPAttention(MegatronModule):
                 raise ValueError(f"window_size={config.window_size}: SDPAttention is causal, "
                                  f"so it takes windows (left, 0) only.")
             self.window = None if left < 0 else left + 1
+        self.tp_group = (pg_collection.tp if pg_collection is not None
+                         else parallel_state.get_tensor_model_parallel_group())
         self.softmax_offset = None
         if config.softmax_type == "learnable":  # this rank's heads' sinks (zero: layout-invariant)
-            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            heads = config.num_attention_heads // self.tp_group.size()
             self.softmax_offset = torch.nn.Parameter(torch.zeros(
                 heads, dtype=config.params_dtype,
                 device="cpu" if config.use_cpu_initialization else torch.cuda.current_device()))
@@ -130,7 +132,7 @@ class SDPAttention(MegatronModule):
             return {}
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0},
-            sharded_offsets, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+            sharded_offsets, tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
 def _with_sink(k, v, mask, sinks, dtype):

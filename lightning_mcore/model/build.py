@@ -129,12 +129,24 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional
             add_local_rope(model, cfg)
         if cfg.embedding_scale is not None and model.pre_process:
             model.embedding.register_forward_hook(_scale_embeddings(cfg.embedding_scale))
+        _unmark_sequence_parallel_experts(model)
         if fuse_wgrad:
             fuse_wgrad_accumulation(model)
         if model.post_process and (padded_vocab or cfg.padded_vocab_size(tp)) > cfg.vocab_size:
             model.output_layer.register_forward_hook(_mask_padded_vocab(cfg.vocab_size))
         chunks.append(model)
     return chunks
+
+
+def _unmark_sequence_parallel_experts(model: torch.nn.Module) -> None:
+    """mcore marks a routed expert's row-parallel bias `sequence_parallel` under sequence
+    parallelism, and its gradient is then summed over the tensor-parallel group, on top of the
+    expert-data-parallel reduction that already spans those ranks at expert-TP 1: twice the
+    gradient at TP=2 (found by the layout-invariance test of a family with expert biases).
+    Expert parameters (allreduce=False) are reduced over their own groups only."""
+    for param in model.parameters():
+        if not getattr(param, "allreduce", True) and getattr(param, "sequence_parallel", False):
+            param.sequence_parallel = False
 
 
 def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:

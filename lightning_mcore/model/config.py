@@ -143,7 +143,7 @@ class GPTConfig:
     # per-expert token counts on the GPU: no host wait at one EP rank; model/torch_experts.py), "te"
     # (Transformer Engine's GroupedLinear: counts on the host, one wait per MoE layer and micro
     # batch), or "auto": torch's where it runs (not fp8, hidden and expert FFN sizes multiples of
-    # 8, no expert biases, no 'moe_preprocess' graph, no 'moe_act' recompute, a LoRA rank on
+    # 8, no 'moe_preprocess' graph, no 'moe_act' recompute, a LoRA rank on
     # experts that is a multiple of 8), else TE's.
     # torch's ran 2.3-2.4x the tokens/s of TE's on one H100 (benchmarks/RESULTS.md, session 7).
     moe_grouped_gemm_backend: Literal["auto", "te", "torch"] = "auto"
@@ -231,9 +231,6 @@ class GPTConfig:
         if self.hidden_size % 8 or ffn % 8:
             return (f"torch's grouped GEMM needs hidden_size ({self.hidden_size}) and moe_ffn_hidden_size "
                     f"({ffn}) to be multiples of 8 (16-byte rows)", ("hidden_size", "moe_ffn_hidden_size"))
-        if self.add_bias_linear or self.extra.get("add_bias_linear"):
-            return ("it computes the experts without biases; add_bias_linear=True would leave "
-                    "them out", ("add_bias_linear",))
         if self.fp8:
             return f"it runs the experts unquantized: fp8={self.fp8!r} would not reach them", ("fp8",)
         if "moe_act" in (self.recompute_modules or ()):

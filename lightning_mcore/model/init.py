@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _SCALED_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight")
+_ZERO_SUFFIXES = (".bias", "softmax_offset")  # 1-D parameters that start at zero
 
 
 def _sharded_tensors(obj):
@@ -35,12 +36,18 @@ def _sharded_tensors(obj):
 
 @torch.no_grad()
 def init_layout_invariant(chunks, cfg, seed: int) -> None:
-    """Overwrite every >=2-D weight of `chunks` with its layout-independent value."""
+    """Overwrite every >=2-D weight of `chunks` with its layout-independent value, and zero
+    the biases and attention sinks."""
     std = cfg.init_method_std
     for chunk in chunks:
         for sh in _sharded_tensors(chunk.sharded_state_dict()):
             data = sh.data
-            if data is None or data.dim() < 2 or not data.is_floating_point():
+            if data is None or not data.is_floating_point():
+                continue
+            if data.dim() == 1 and sh.key.endswith(_ZERO_SUFFIXES):
+                data.zero_()  # mcore draws the router's bias and the sinks per rank
+                continue
+            if data.dim() < 2:
                 continue
             pre = sh.prepend_axis_num
             full_shape = list(sh.global_shape[pre:])

@@ -58,6 +58,11 @@ class GroupedExpertLinear(torch.autograd.Function):
         return dx, None, *(dws or [None] * len(weights))
 
 
+def _expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of each of `rows` rows sorted by expert (rows of expert e end at offsets[e])."""
+    return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
+
+
 def grouped_lora_update(adapter, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """scale * B_e A_e x on each expert's rows, for a layer's stacked expert adapter
     (model/lora.py: lora_A [E, r, in], lora_B [E, out, r]): two more grouped GEMMs of rank r."""
@@ -80,14 +85,21 @@ class TorchGroupedMLP(SequentialMLP):
         if self.config.moe_apply_probs_on_input:  # top-1 routing scales the input instead (mcore's rule)
             x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), torch.ones_like(probs)
         offsets = torch.cumsum(tokens_per_expert.to(x.device, non_blocking=True), 0).to(torch.int32)
-        intermediate = self._activation(self._linear("linear_fc1", x, offsets), probs)
-        return self._linear("linear_fc2", intermediate, offsets), None
+        rows = _expert_of_rows(offsets, x.shape[0]) if self.config.add_bias_linear else None
+        intermediate = self._activation(self._linear("linear_fc1", x, offsets, rows), probs)
+        return self._linear("linear_fc2", intermediate, offsets, rows, probs), None
 
-    def _linear(self, name: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def _linear(self, name: str, x: torch.Tensor, offsets: torch.Tensor, rows=None, probs=None) -> torch.Tensor:
+        """The experts' `name` linear on their rows, plus each row's expert bias (`rows`: the
+        expert of each row; fc2's bias scaled by the router probability `probs`, as mcore's
+        experts add it: p * (W2 act + b2) with the activation already scaled)."""
         out = GroupedExpertLinear.apply(x, offsets, *[getattr(e, name).weight for e in self.local_experts])
         adapter = self.lora_adapters.get(name)
         if adapter is not None and adapter.enabled and not adapter.merged:
             out = out + grouped_lora_update(adapter, x, offsets).to(out.dtype)
+        if rows is not None:
+            bias = torch.stack([getattr(e, name).bias for e in self.local_experts])[rows]
+            out = out + (bias if probs is None else (bias * probs.unsqueeze(-1)).to(out.dtype))
         return out
 
     def _activation(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

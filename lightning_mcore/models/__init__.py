@@ -86,6 +86,10 @@ def gpt_config_from_hf(path_or_dict: PathOrDict, seq_length: Optional[int] = Non
     else:
         hf = HFConfig(read_config_json(path_or_dict), str(Path(path_or_dict) / "config.json"))
     arch = architecture_of(hf)
+    quant = hf.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "mxfp4":  # MXFP4 is read dequantized (hf/mxfp4.py)
+        hf.refuse("quantization_config", "only mxfp4 checkpoints are read (dequantized); "
+                                         "convert this one to bf16 first.")
     fields = arch.gpt_config(hf)
     hf = arch.text(hf)
     longest = hf["max_position_embeddings"]
