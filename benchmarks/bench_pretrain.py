@@ -62,6 +62,28 @@ SHAPES = {
                            linear_attention=dict(num_key_heads=16, num_value_heads=16, key_head_dim=128,
                                                  value_head_dim=128),
                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3),
+    # GPT-OSS-20B's layer (32 experts top-4, biases, sinks, clamped SwiGLU, windows of 128
+    # alternating with full layers, YaRN) at 4 layers: 3.5B parameters
+    "gpt-oss-20b-layers": dict(num_layers=4, hidden_size=2880, ffn_hidden_size=2880, num_attention_heads=64,
+                               num_query_groups=8, kv_channels=64, vocab_size=201088, rotary_base=150000.0,
+                               rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                             "beta_slow": 1.0, "truncate": False,
+                                             "original_max_position_embeddings": 4096},
+                               activation="quick_gelu", glu_linear_offset=1.0, activation_clamp=7.0,
+                               add_bias_linear=True, attention_sinks=True, sliding_window=128,
+                               layer_types=["sliding_attention", "full_attention"] * 2, num_moe_experts=32,
+                               moe_router_topk=4, moe_ffn_hidden_size=2880, moe_grouped_gemm=True,
+                               moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=False),
+    # GLM-4.5-Air's layers (one dense, then 128 experts top-8 + a shared expert, sigmoid router
+    # with its bias, q/k/v biases, RoPE on half of each head) at 3 layers: 4.6B parameters
+    "glm4.5-air-layers": dict(num_layers=3, hidden_size=4096, ffn_hidden_size=10944, num_attention_heads=96,
+                              num_query_groups=8, kv_channels=128, vocab_size=151552, rotary_base=1000000.0,
+                              add_qkv_bias=True, rotary_percent=0.5, norm_epsilon=1e-5, num_moe_experts=128,
+                              moe_router_topk=8, moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=1408,
+                              moe_layer_freq=[0, 1, 1], moe_router_score_function="sigmoid",
+                              moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=1.0,
+                              moe_router_dtype="fp32", moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+                              moe_router_pre_softmax=False),
 }
 
 
@@ -71,18 +93,18 @@ def flops_per_token(cfg: GPTConfig, seq: int) -> float:
     lightning_mcore.model.flops, which the MegatronThroughput callback uses."""
     h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = (cfg.num_query_groups or cfg.num_attention_heads) * cfg.head_dim
-    if cfg.num_moe_experts:
-        mlp = cfg.moe_router_topk * 3 * h * cfg.moe_ffn_hidden_size + h * cfg.num_moe_experts
-    else:
-        mlp = 3 * h * cfg.ffn_hidden_size
+    dense = 3 * h * cfg.ffn_hidden_size
+    moe = (cfg.moe_router_topk * 3 * h * (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
+           + 3 * h * (cfg.moe_shared_expert_intermediate_size or 0) + h * (cfg.num_moe_experts or 0))
+    mlps = [moe if cfg.is_moe_layer(i) else dense for i in range(cfg.num_layers)]
     attention = h * (q * (2 if cfg.attention_output_gate else 1) + 2 * kv) + q * h + 2 * seq * q
-    layers = [attention + mlp] * cfg.num_layers
+    layers = [attention + mlp for mlp in mlps]
     if cfg.linear_attention is not None:  # projections, and per value head the state's update and readout
         la = cfg.linear_attention
         lk, lv = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
         linear = h * (2 * lk + 2 * lv + 2 * la.num_value_heads) + lv * h + \
             4 * la.num_value_heads * la.key_head_dim * la.value_head_dim
-        layers = [(linear if cfg.is_linear_attention_layer(i) else attention) + mlp for i in range(cfg.num_layers)]
+        layers = [(linear if cfg.is_linear_attention_layer(i) else attention) + mlps[i] for i in range(cfg.num_layers)]
     return 3.0 * 2 * (sum(layers) + h * cfg.vocab_size)
 
 

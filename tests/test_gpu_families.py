@@ -35,6 +35,7 @@ FAMILIES = {  # family: parallel layout on 2 GPUs
     "qwen3_5_moe": dict(expert_model_parallel_size=2),
     "qwen3_next": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     "glm4_moe": dict(expert_model_parallel_size=2),
+    "gpt_oss": dict(expert_model_parallel_size=2),
 }
 
 

@@ -81,8 +81,10 @@ CORRUPTIONS = [
     ("glm4_moe", "model.layers.1.self_attn.k_proj.bias", "scale:2", "model.layers.1"),
     ("glm4_moe", "model.layers.2.mlp.gate.e_score_correction_bias", "scale:3", "model.layers.2"),
     ("gpt_oss", "model.layers.1.self_attn.sinks", "scale:3", "model.layers.1"),
-    ("gpt_oss", "model.layers.2.mlp.experts.gate_up_proj", "scale:2", "model.layers.2"),  # expert 1
-    ("gpt_oss", "model.layers.0.mlp.router.bias", "scale:3", "model.layers.0"),
+    ("gpt_oss", "model.layers.2.self_attn.o_proj.bias", "scale:3", "model.layers.2"),
+    # (the tiny model's router biases pick the same experts for every prompt token, so a
+    # corrupted expert 1 or its bias changes nothing that transformers computes either)
+    ("gpt_oss", "model.layers.1.mlp.router.weight", "scale:3", "model.layers.1"),
 ]
 FAMILIES = sorted({family for family, *_ in CORRUPTIONS})
 
