@@ -52,7 +52,7 @@ def hf_generate(model, s: dict) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_greedy_completions_equal_transformers_generate(family, layout, tmp_path):
     source = tmp_path / "source"

@@ -1,4 +1,4 @@
-"""Acceptance (vision-language, issue 24): our Qwen2.5-VL / Qwen3-VL logits on rows with 1-3
+"""Acceptance (vision-language, issue 24): our Qwen2.5-VL / Qwen3-VL / Qwen3.5 (-MoE) logits on rows with 1-3
 images per sample equal transformers' within 1e-4 (fp32) at TP=1, TP=2 + SP and PP=2, also for
 two samples packed in one row; the export is bit-identical to the source checkpoint."""
 
@@ -43,11 +43,25 @@ def run(tmp_path, source, data: dict, layout: str):
     return torch.load(tmp_path / "logits.pt")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_logits_and_export(family, layout, tmp_path):
+    check_logits_and_export(family, layout, tmp_path)
+
+
+def test_published_mtp_layer_of_qwen3_5_is_carried_to_the_export(tmp_path):
+    """The published Qwen3.5 checkpoints (vision-language) hold an MTP layer (mtp.*): it loads
+    nowhere and the export holds it bit for bit (the export check compares every tensor)."""
+    from test_family_qwen3_5 import add_mtp_layer
+
+    check_logits_and_export("qwen3_5", "pp2", tmp_path, prepare=add_mtp_layer)
+
+
+def check_logits_and_export(family, layout, tmp_path, prepare=None):
     source = tmp_path / "source"
     hf = make_vlm(family, source)
+    if prepare is not None:
+        prepare(source)
     gen = torch.Generator().manual_seed(1)
     # grids in patches (multiples of the merge size 2); Qwen2.5-VL's windows are 2x2 merged tokens
     one = sample(hf, [[1, 4, 4]], SEQ, gen)
@@ -68,6 +82,8 @@ def test_logits_and_export(family, layout, tmp_path):
         assert written[name].dtype == tensor.dtype and torch.equal(written[name], tensor), name
     config = json.loads((source / "config.json").read_text())
     assert json.loads((tmp_path / "export" / "config.json").read_text()) == config
+    if prepare is not None:
+        assert any(name.startswith("mtp.") for name in written)
 
 
 def test_export_without_the_vision_encoder_is_refused(tmp_path):

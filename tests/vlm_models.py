@@ -15,7 +15,7 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
 
 
 def make_vlm(family: str, directory: Path, seed: int = 0, **rope):
-    """A tiny `family` model ("qwen2_5_vl", "qwen3_vl") saved to `directory`, in eval mode.
+    """A tiny `family` model ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe") saved to `directory`, in eval mode.
     `rope`: rope_parameters entries to set (None leaves one out), e.g. mrope_section=[1, 3, 3]."""
     import transformers
 
@@ -30,6 +30,24 @@ def make_vlm(family: str, directory: Path, seed: int = 0, **rope):
             vision_config=dict(VISION, patch_size=14, window_size=56, fullatt_block_indexes=[1]),
             **TOKENS)
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    elif family == "qwen3_5":  # the hybrid decoder (linear attention on layer 0), RoPE on half of each head
+        config = transformers.Qwen3_5Config(
+            text_config=dict(TEXT, rope_parameters=rope_parameters(
+                mrope_section=[2, 1, 1], mrope_interleaved=True, partial_rotary_factor=0.5),
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"]),
+            vision_config=dict(VISION, patch_size=16, num_position_embeddings=64), **TOKENS)
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    elif family == "qwen3_5_moe":  # and 4 experts top-2 with a gated shared expert
+        config = transformers.Qwen3_5MoeConfig(
+            text_config=dict(TEXT, rope_parameters=rope_parameters(
+                mrope_section=[2, 1, 1], mrope_interleaved=True, partial_rotary_factor=0.5),
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"],
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48),
+            vision_config=dict(VISION, patch_size=16, num_position_embeddings=64), **TOKENS)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(config)
     else:
         config = transformers.Qwen3VLConfig(
             text_config=dict(TEXT, rope_parameters=rope_parameters(mrope_section=[2, 3, 3],

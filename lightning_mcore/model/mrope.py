@@ -57,7 +57,7 @@ def use_mrope(model, cfg) -> None:
     if cfg.rope_scaling:
         raise ValueError("multimodal RoPE with rope_scaling is not supported.")
     device = model.rotary_pos_emb.inv_freq.device
-    inv = rope_inv_freq(cfg.head_dim, cfg.rotary_base, None).to(device)
+    inv = rope_inv_freq(int(cfg.head_dim * cfg.rotary_percent), cfg.rotary_base, None).to(device)
     model.rotary_pos_emb = MultimodalRoPE(inv, cfg.mrope)
     model.position_embedding_type = "mrope"
     model.mrope_section = list(cfg.mrope.section)
