@@ -74,6 +74,12 @@ FAMILIES = {
         sliding_window=8, swiglu_limit=0.2, rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    # q/k norms over all heads together, RoPE on half of each head (rotary_dim), a sigmoid
+    # router with its correction bias, no shared expert
+    "minimax_m2": lambda: (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM, dict(
+        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     # Multi-latent attention, YaRN, 1 dense layer then MoE with a shared expert; V3: sigmoid
     # router with a (randomised) bias, 2 groups of 2 experts, one group chosen.
     "deepseek_v3": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(DEEPSEEK, **YARN)),
@@ -115,7 +121,7 @@ def make_hf_model(name: str, directory: Path, seed: int = 0, **overrides):
             if p.dim() == 1 or n.endswith("shared_expert_gate.weight"):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
         for n, b in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+            if n.endswith("e_score_correction_bias"):  # DeepSeek-V3's (MiniMax-M2's) routing bias
                 b.normal_(0.0, 0.1)
     model.save_pretrained(directory)
     return model

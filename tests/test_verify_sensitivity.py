@@ -85,6 +85,7 @@ CORRUPTIONS = [
     # (the tiny model's router biases pick the same experts for every prompt token, so a
     # corrupted expert 1 or its bias changes nothing that transformers computes either)
     ("gpt_oss", "model.layers.1.mlp.router.weight", "scale:3", "model.layers.1"),
+    ("minimax_m2", "model.layers.1.self_attn.q_norm.weight", "scale:1.5", "model.layers.1"),
 ]
 FAMILIES = sorted({family for family, *_ in CORRUPTIONS})
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ from lightning_mcore.model.gated_delta_net import with_linear_attention
 from lightning_mcore.model.layer_rope import add_local_rope, with_layer_rope
 from lightning_mcore.model.mla import mla_layer_spec
 from lightning_mcore.model.mrope import use_mrope
-from lightning_mcore.model.norm import RMSNorm
+from lightning_mcore.model.norm import ProjectionRMSNorm, RMSNorm
 from lightning_mcore.model.post_norm import with_post_norms
 from lightning_mcore.model.rope import apply_rope_scaling
 from lightning_mcore.model.torch_experts import with_torch_experts
@@ -45,6 +46,16 @@ def layer_spec(cfg: GPTConfig, use_te: bool, moe: Optional[bool] = None):
 
 
 def _mcore_layer_spec(cfg: GPTConfig, use_te: bool, experts: Optional[int]):
+    spec = _mcore_spec(cfg, use_te, experts)
+    if cfg.qk_norm_across_heads:
+        spec = copy.deepcopy(spec)
+        attn = spec.submodules.self_attention.submodules
+        attn.q_layernorm = functools.partial(ProjectionRMSNorm, heads_of="q")
+        attn.k_layernorm = functools.partial(ProjectionRMSNorm, heads_of="k")
+    return spec
+
+
+def _mcore_spec(cfg: GPTConfig, use_te: bool, experts: Optional[int]):
     if cfg.mla is not None:
         return mla_layer_spec(cfg, use_te, experts)
     if use_te:

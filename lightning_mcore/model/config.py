@@ -94,6 +94,9 @@ class GPTConfig:
     tie_word_embeddings: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
+    # with qk_layernorm: normalise each token's whole query / key projection (all heads
+    # together), not each head (model/norm.py: ProjectionRMSNorm)
+    qk_norm_across_heads: bool = False
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     attention_dropout: float = 0.0

@@ -207,7 +207,7 @@ VARIANT_FIELDS = (
     "moe_shared_expert_gate", "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
     "rotary_percent", "attention_output_gate", "linear_attention", "add_bias_linear",
-    "attention_sinks", "glu_linear_offset", "activation_clamp",
+    "attention_sinks", "glu_linear_offset", "activation_clamp", "qk_norm_across_heads",
 )
 _DEFAULTS = GPTConfig()
 
