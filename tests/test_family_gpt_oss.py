@@ -12,17 +12,12 @@ import torch
 
 from hf_models import hf_config_dict, make_hf_model
 from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
-from test_hf_roundtrip import check_logits_and_export
+from test_hf_roundtrip import FAMILY_LAYOUTS, check_logits_and_export
 
 SEQ = 24
 TP2_SP = dict(tensor_model_parallel_size=2, sequence_parallel=True,
               expert_tensor_parallel_size=1)  # mcore computes experts with biases at expert-TP 1 only
-LAYOUTS = {
-    "tp2_sp": (2, TP2_SP),
-    "pp2": (2, dict(pipeline_model_parallel_size=2)),
-    "ep2": (2, dict(expert_model_parallel_size=2)),
-    "dp2": (2, {}),
-}
+LAYOUTS = FAMILY_LAYOUTS | {"tp2_sp": (2, TP2_SP)}
 
 
 @pytest.mark.distributed

@@ -25,6 +25,13 @@ LAYOUTS = {
     "ep2_tp2": (4, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                         sequence_parallel=True, expert_tensor_parallel_size=1)),
 }
+# The layouts each newer family's parity test runs at (tests/test_family_<name>.py).
+FAMILY_LAYOUTS = {
+    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "ep2": (2, dict(expert_model_parallel_size=2)),
+    "dp2": (2, {}),
+}
 CASES = [(f, lay) for f in ("llama", "llama_tied", "qwen2", "qwen3", "mistral")
          for lay in ("tp1", "tp2", "pp2")] + [("qwen3_moe", "tp1"), ("qwen3_moe", "ep2")]
 CASES += [(f, lay) for f in ("mixtral", "qwen2_moe") for lay in ("tp1", "tp2_sp", "pp2", "ep2", "ep2_tp2")]

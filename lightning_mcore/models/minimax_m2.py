@@ -8,10 +8,11 @@ renormalised; no shared expert. On disk the MoE keeps Mixtral's names
 from __future__ import annotations
 
 from lightning_mcore.hf.config import HFCheckpointError
-from lightning_mcore.hf.mappings import Entry, FusedExperts
+from lightning_mcore.hf.mappings import Entry
 from lightning_mcore.hf.transforms import Replicated
 from lightning_mcore.models import parts
 from lightning_mcore.models.architecture import Architecture, HFConfig
+from lightning_mcore.models.mixtral import ARCHITECTURE as MIXTRAL
 
 M, H = parts.M, parts.H
 MOE = H + "block_sparse_moe."
@@ -21,10 +22,7 @@ class MiniMaxM2(Architecture):
     hf_class, model_type, config_class = "MiniMaxM2ForCausalLM", "minimax_m2", "MiniMaxM2Config"
     required = ("intermediate_size", "num_key_value_heads", "head_dim", "num_local_experts",
                 "num_experts_per_tok")
-    # transformers 5 fuses the experts in memory like Mixtral's
-    peft_experts = FusedExperts("model.layers.{L}.mlp.experts",
-                                (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))),
-                                per_expert="model.layers.{L}.block_sparse_moe.experts")
+    peft_experts = MIXTRAL.peft_experts  # transformers 5 converts its experts as Mixtral's
 
     def gpt_config(self, hf):
         if hf.get("router_jitter_noise", 0.0):
