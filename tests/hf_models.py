@@ -80,6 +80,10 @@ FAMILIES = {
         head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         bos_token_id=1, eos_token_id=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # fused qkv_proj and gate_up_proj, RoPE on three quarters of each head (Phi-4-mini), windows
+    "phi3": lambda: (tf.Phi3Config, tf.Phi3ForCausalLM, dict(
+        head_dim=16, sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})),
     # Multi-latent attention, YaRN, 1 dense layer then MoE with a shared expert; V3: sigmoid
     # router with a (randomised) bias, 2 groups of 2 experts, one group chosen.
     "deepseek_v3": lambda: (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, dict(DEEPSEEK, **YARN)),

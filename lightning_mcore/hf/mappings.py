@@ -95,7 +95,8 @@ def shape_symbols(cfg) -> dict[str, int]:
         "mf": cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size, "V": cfg.vocab_size,
         "E": cfg.num_moe_experts or 0, "sf": cfg.moe_shared_expert_intermediate_size or 0, "1": 1,
     }
-    out.update(q2=2 * out["q"], nh=cfg.num_attention_heads, **{"2mf": 2 * out["mf"]})
+    out.update(q2=2 * out["q"], nh=cfg.num_attention_heads,
+               **{"2mf": 2 * out["mf"], "2f": 2 * out["f"], "q+2kv": out["q"] + 2 * out["kv"]})
     if cfg.linear_attention is not None:
         la = cfg.linear_attention
         lk, lv = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim

@@ -355,3 +355,22 @@ class Transposed(Transform):
 
     def __repr__(self) -> str:
         return f"Transposed({self.tp_dim})"
+
+
+class FusedQKV(Transform):
+    """One HF tensor holding [q; k; v] rows (weights or biases) <-> linear_qkv, split by query
+    groups as QKV does."""
+
+    tp_dim = 0
+
+    def load(self, reader, names, rank, size, dims):
+        q_rows, kv_rows = dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
+        q, k, v = torch.split(reader.get(names[0]), [q_rows, kv_rows, kv_rows])
+        g = dims.num_groups // size
+        per_q = dims.num_heads // dims.num_groups * dims.head_dim
+        rows = slice(rank * g * per_q, (rank + 1) * g * per_q)
+        kv = slice(rank * g * dims.head_dim, (rank + 1) * g * dims.head_dim)
+        return qkv_merge(q[rows], k[kv], v[kv], g)
+
+    def save(self, shards, names, dims):
+        return {names[0]: torch.cat(qkv_split(torch.cat(list(shards)), dims.num_groups, dims.head_dim))}
