@@ -1,6 +1,6 @@
 """Acceptance for Phi-3 / Phi-4 (Phi3ForCausalLM): fused qkv_proj and gate_up_proj split over
 tensor-parallel ranks, partial RoPE and windows; logits equal transformers' at TP=2 + SP, PP=2
-and DP=2; the export is bit-identical; greedy generation equals transformers'."""
+and DP=2; the export is bit-identical; greedy generation equals transformers'; LoRA exports to peft."""
 
 import pytest
 
@@ -46,3 +46,13 @@ def test_unsupported_variants_are_refused_by_name(changes, field):
 
     with pytest.raises(HFCheckpointError, match=rf"\b{field}\b"):
         gpt_config_from_hf({**hf_config_dict("phi3"), **changes})
+
+
+@pytest.mark.distributed
+def test_lora_exports_a_peft_adapter_with_equal_logits(tmp_path):
+    """Adapters on the fused qkv_proj and gate_up_proj too (peft adapts the fused linears), at TP=2."""
+    from test_family_qwen3_5 import check_peft_export
+
+    written = check_peft_export("phi3", dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                                "all-linear", 4, tmp_path)
+    assert written == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
