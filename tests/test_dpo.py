@@ -67,9 +67,14 @@ def hf_pair_logps(model, raw) -> torch.Tensor:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family,sequence_parallel", [("llama", False), ("qwen3_5", True)])
-def test_dpo_step0_is_log2_and_metrics_match_transformers(family, sequence_parallel, tmp_path):
-    """Also for a Gated DeltaNet hybrid (packed pairs through its linear attention; TP needs SP)."""
+@pytest.mark.parametrize("family,parallel", [
+    ("llama", {}), ("qwen3_5", dict(sequence_parallel=True)),
+    ("glm4_moe", dict(sequence_parallel=True)),
+    ("gpt_oss", dict(sequence_parallel=True, expert_tensor_parallel_size=1)),
+], ids=["llama", "qwen3_5", "glm4_moe", "gpt_oss"])
+def test_dpo_step0_is_log2_and_metrics_match_transformers(family, parallel, tmp_path):
+    """Also for a Gated DeltaNet hybrid (packed pairs through its linear attention; TP needs SP)
+    and two 2026 MoE families (GPT-OSS: sinks, windows, biased experts at expert-TP 1)."""
     source = tmp_path / "source"
     make_hf_model(family, source)
     rows, raw = pairs(8, 200)
@@ -78,8 +83,8 @@ def test_dpo_step0_is_log2_and_metrics_match_transformers(family, sequence_paral
         accelerator="cpu", devices=2, max_steps=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False,
         callbacks=[RecordMetrics(tmp_path / "metrics.json", export_at=1)],
-        strategy=MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=sequence_parallel,
-                                  global_batch_size=8, micro_batch_size=2, start_method="fork"),
+        strategy=MegatronStrategy(tensor_model_parallel_size=2, global_batch_size=8, micro_batch_size=2,
+                                  start_method="fork", **parallel),
     )
     module = DPOModule(str(source), OptimizerSettings(lr=5e-2, warmup_steps=0),
                        lora=LoRAConfig(rank=4, alpha=8.0), beta=beta)

@@ -86,9 +86,10 @@ def test_packed_batch_equals_one_sample_per_row(tmp_path):
     check_packed_batch_equals_one_sample_per_row(tmp_path, cfg)
 
 
-def check_packed_batch_equals_one_sample_per_row(tmp_path, cfg) -> None:
+def check_packed_batch_equals_one_sample_per_row(tmp_path, cfg, **tp2) -> None:
     """test_sft_packing's samples packed into rows (SFT) against one per row (pretraining), at
-    TP=1 and TP=2 + SP: equal losses and gradients after one SGD step."""
+    TP=1 and TP=2 + SP (`tp2`: more of that layout's settings): equal losses and gradients
+    after one SGD step."""
     cfg = dataclasses.replace(cfg, seq_length=PACKED_SEQ, vocab_size=500)
     data = samples()
     packed = [build_row([data[i] for i in row], PACKED_SEQ, pad_id=0) for row in pack(LENGTHS, PACKED_SEQ)]
@@ -96,7 +97,7 @@ def check_packed_batch_equals_one_sample_per_row(tmp_path, cfg) -> None:
               for s in data]
     ref_loss, ref = run_sft(tmp_path, "reference", single, PretrainModule, config=cfg)
     for name, devices, parallel in (("packed", 1, {}), ("packed_tp2_sp", 2, dict(
-            tensor_model_parallel_size=2, sequence_parallel=True))):
+            tensor_model_parallel_size=2, sequence_parallel=True, **tp2))):
         loss, got = run_sft(tmp_path, name, packed, SFTModule, devices, config=cfg, **parallel)
         assert abs(loss - ref_loss) <= 1e-5 * ref_loss, (name, loss, ref_loss)
         for key in ref:

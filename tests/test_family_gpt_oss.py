@@ -200,3 +200,12 @@ def test_yarn_frequencies_and_attention_factor_are_transformers_own(truncate):
     want, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
     assert torch.equal(rope_inv_freq(64, 150000.0, rope), want)
     assert yarn_attention_factor(rope) == factor
+
+
+@pytest.mark.distributed
+def test_packed_batch_equals_one_sample_per_row(tmp_path):
+    """SFT's packed rows: sinks and windows within each sample of a THD row."""
+    from test_family_gemma3 import check_packed_batch_equals_one_sample_per_row
+
+    cfg, _ = gpt_config_from_hf(hf_config_dict("gpt_oss"))
+    check_packed_batch_equals_one_sample_per_row(tmp_path, cfg, expert_tensor_parallel_size=1)
