@@ -152,8 +152,8 @@ def export_hf(
     items = _items(chunks, cfg, weights)
     dims, symbols = dims_of(cfg, padded_vocab), shape_symbols(cfg)
 
-    # Who sends what: (key, source rank, HF names, their shapes, dtype) from every rank's items.
-    # (key, HF names, their shapes, dtype, experts stacked into each name: 0 for none)
+    # Who sends what: (key, source rank, HF names, their shapes, dtype, experts stacked into each
+    # name: 0 for none) from every rank's items.
     mine = [(key, entry.hf_names(layer, expert),
              [tuple(size_of(s, symbols) for s in shape[entry.stacked:]) for shape in entry.shapes],
              str(param.dtype).removeprefix("torch."), cfg.num_moe_experts if entry.stacked else 0)

@@ -65,10 +65,10 @@ class SDPAttention(MegatronModule):
                 raise ValueError(f"window_size={config.window_size}: SDPAttention is causal, "
                                  f"so it takes windows (left, 0) only.")
             self.window = None if left < 0 else left + 1
-        self.tp_group = (pg_collection.tp if pg_collection is not None
-                         else parallel_state.get_tensor_model_parallel_group())
         self.softmax_offset = None
         if config.softmax_type == "learnable":  # this rank's heads' sinks (zero: layout-invariant)
+            self.tp_group = (pg_collection.tp if pg_collection is not None
+                             else parallel_state.get_tensor_model_parallel_group())
             heads = config.num_attention_heads // self.tp_group.size()
             self.softmax_offset = torch.nn.Parameter(torch.zeros(
                 heads, dtype=config.params_dtype,
@@ -123,8 +123,6 @@ class SDPAttention(MegatronModule):
             )
         out = out.permute(2, 0, 1, 3).reshape(sq, b, -1)
         return out.squeeze(1) if packed_seq_params is not None else out
-
-
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The sinks split over tensor-parallel ranks by head, as mcore's attention saves them."""
