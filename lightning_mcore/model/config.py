@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
-from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
 TransformerImpl = Literal["auto", "transformer_engine", "local"]
 # Of the gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), quick_gelu (x * sigmoid(1.702 x) gating;
@@ -296,8 +295,17 @@ def refuse_longer(seq: int, seq_length: int, what: str) -> None:
 ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
     "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
-    "quick_gelu": quick_gelu,
 }
+
+
+def activation_func(name: str):
+    """The activation function mcore is given; quick_gelu is mcore's own (its fused expert
+    kernels recognise it), imported only here: megatron's imports stay off the CLI's path."""
+    if name == "quick_gelu":
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        return quick_gelu
+    return ACTIVATIONS[name]
 
 
 def attention_scale(cfg: GPTConfig) -> Optional[float]:
@@ -367,7 +375,7 @@ def to_transformer_config(
         layernorm_epsilon=cfg.norm_epsilon,
         layernorm_zero_centered_gamma=cfg.zero_centered_norm,
         gated_linear_unit=True,
-        activation_func=ACTIVATIONS[cfg.activation],
+        activation_func=activation_func(cfg.activation),
         softmax_scale=attention_scale(cfg),
         add_bias_linear=cfg.add_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias or cfg.add_bias_linear,

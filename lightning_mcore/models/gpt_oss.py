@@ -25,7 +25,6 @@ ALPHA = 1.702  # mcore's quick_gelu: x * sigmoid(1.702 x)
 
 class GptOss(Architecture):
     hf_class, model_type, config_class = "GptOssForCausalLM", "gpt_oss", "GptOssConfig"
-    seq_cls_class = "GptOssForSequenceClassification"
     required = ("intermediate_size", "num_key_value_heads", "num_experts_per_tok", "head_dim",
                 "num_local_experts")
 

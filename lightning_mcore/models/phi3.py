@@ -16,7 +16,6 @@ M, H = parts.M, parts.H
 
 class Phi3(Architecture):
     hf_class, model_type, config_class = "Phi3ForCausalLM", "phi3", "Phi3Config"
-    seq_cls_class = "Phi3ForSequenceClassification"
     required = ("intermediate_size", "num_key_value_heads")
 
     def gpt_config(self, hf):
