@@ -36,6 +36,8 @@ FAMILIES = {  # family: parallel layout on 2 GPUs
     "qwen3_next": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     "glm4_moe": dict(expert_model_parallel_size=2),
     "gpt_oss": dict(expert_model_parallel_size=2),
+    "minimax_m2": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "phi3": dict(tensor_model_parallel_size=2, sequence_parallel=True),
 }
 
 
