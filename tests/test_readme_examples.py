@@ -106,7 +106,7 @@ def test_readme_vision_language_commands(tmp_path):
     transformers Qwen2.5-VL directory with the trained vision encoder and the processor files."""
     from safetensors import safe_open
 
-    fit, export = commands(section("Vision-language models (Qwen2.5-VL, Qwen3-VL)"))
+    fit, export = commands(section("Vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)"))
     work = user_dir(tmp_path)
     run(fit, work)
     losses = logged(work / "runs" / "qwen2_5_vl_sft", "train/loss")
