@@ -69,14 +69,22 @@ def _rows(t: torch.Tensor, dim: int, start: Optional[int], stop: Optional[int]) 
     return t if start is None and stop is None else t.narrow(dim, start or 0, (stop or t.shape[dim]) - (start or 0))
 
 
+ONLY_MXFP4 = "only mxfp4 checkpoints are read (dequantized); convert this one to bf16 first."
+
+
+def other_quantization(config: dict) -> bool:
+    """Whether config.json announces a quantization other than MXFP4 (its weights would load as
+    their raw codes): refused by the config translation (models/__init__.py) and the loader."""
+    quant = config.get("quantization_config") or {}
+    return bool(quant) and quant.get("quant_method") != "mxfp4"
+
+
 def quantized_view(reader, config: dict, dtype: Optional[str]):
     """`reader` as the model's weights read: MXFP4 tensors dequantized; a checkpoint in another
-    quantization is refused (its weights would load as their raw codes)."""
-    quant = config.get("quantization_config")
-    if not quant:
-        return reader
-    if quant.get("quant_method") != "mxfp4":
+    quantization is refused."""
+    if other_quantization(config):
         raise CheckpointError(f"config.json quantization_config.quant_method="
-                              f"{quant.get('quant_method')!r}: only mxfp4 checkpoints are read "
-                              f"(dequantized); convert this one to bf16 first.")
+                              f"{config['quantization_config'].get('quant_method')!r}: {ONLY_MXFP4}")
+    if not config.get("quantization_config"):
+        return reader
     return MXFP4Reader(reader, dtype or "BF16")

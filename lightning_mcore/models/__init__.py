@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 from lightning_mcore.hf.config import HFCheckpointError, read_config_json
 from lightning_mcore.hf.mappings import Entry
+from lightning_mcore.hf.mxfp4 import ONLY_MXFP4, other_quantization
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.models.architecture import Architecture, HFConfig
 
@@ -86,10 +87,8 @@ def gpt_config_from_hf(path_or_dict: PathOrDict, seq_length: Optional[int] = Non
     else:
         hf = HFConfig(read_config_json(path_or_dict), str(Path(path_or_dict) / "config.json"))
     arch = architecture_of(hf)
-    quant = hf.get("quantization_config") or {}
-    if quant and quant.get("quant_method") != "mxfp4":  # MXFP4 is read dequantized (hf/mxfp4.py)
-        hf.refuse("quantization_config", "only mxfp4 checkpoints are read (dequantized); "
-                                         "convert this one to bf16 first.")
+    if other_quantization(hf.data):
+        hf.refuse("quantization_config", ONLY_MXFP4)
     fields = arch.gpt_config(hf)
     hf = arch.text(hf)
     longest = hf["max_position_embeddings"]
