@@ -14,6 +14,11 @@ import torch  # noqa: E402
 from process_state import leaves_no_process_state  # noqa: E402
 
 torch.set_num_threads(1)
+# On CPU, mcore's fused functions (jit_fuser: torch.compile) are traced and built by inductor in
+# every new rank process, seconds each on 2 cores, for kernels no CPU test is about; they run
+# eagerly here. The README's commands run as a user runs them (readme.clean_env drops this).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -57,7 +57,8 @@ def user_dir(path: Path) -> Path:
 
 
 def clean_env(tmp: Path, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCH_VARS and k != "TORCH_COMPILE_DISABLE" and not k.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_DATASETS_CACHE=str(tmp / ".datasets-cache"), **extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
