@@ -32,10 +32,13 @@ def no_cache_greedy(module, prompt: list[int], new: int) -> list[int]:
 
 
 class Generate(L.Callback):
-    """Every rank generates (collective) and writes what it got and the references."""
+    """Every rank generates (collective) and writes what it got and the references. `full`: also
+    the sampling, stop-token and single-prompt paths; without it (a family's own cache, whose
+    sampling is this file's), only cached greedy decoding against the no-cache reference, over
+    all prompts and over each data-parallel rank's own."""
 
-    def __init__(self, out) -> None:
-        self.out = out
+    def __init__(self, out, full: bool = True) -> None:
+        self.out, self.full = out, full
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self.predicted = outputs  # predict_step on a batch of prompts: greedy completions
@@ -43,14 +46,8 @@ class Generate(L.Callback):
     def on_predict_end(self, trainer, pl_module):
         greedy = SamplingSettings(max_new_tokens=NEW, greedy=True)
         got = {
-            "predicted": self.predicted,
             "greedy": pl_module.generate_batch(PROMPTS, greedy),
             "reference": [no_cache_greedy(pl_module, p, NEW) for p in PROMPTS],
-            "one": pl_module.generate(PROMPTS[1], NEW),
-            "top_k_1": pl_module.generate_batch(PROMPTS, SamplingSettings(**{**SAMPLED, "top_k": 1})),
-            "seed1": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=1)),
-            "seed1_again": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=1)),
-            "seed2": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=2)),
         }
         # Data-parallel ranks with prompts of their own (GRPO's rollouts; other counts and
         # lengths): at EP=2 their experts' all-to-all must still see the same calls.
@@ -61,23 +58,36 @@ class Generate(L.Callback):
                                     == [got["reference"][i] for i in mine])
         got["sequence_parallel_after"] = sorted({bool(m.sequence_parallel) for c in pl_module.chunks
                                                  for m in c.modules() if hasattr(m, "sequence_parallel")})
-        got["eager"] = pl_module.generate_batch(PROMPTS, SamplingSettings(**{**asdict(greedy), "cuda_graphs": False}))
-        kept = decode_graphs._KEPT.get(pl_module.chunks[0])
-        got["graphs"] = len(kept.graphs) if kept is not None and kept.rows == len(PROMPTS) else 0
-        stop = got["greedy"][0][2]
-        got["stop_token"] = stop
-        got["stopped"] = pl_module.generate_batch(PROMPTS, SamplingSettings(**{**asdict(greedy), "stop": [stop]}))
+        if self.full:
+            got.update(self.sampled(pl_module, greedy, got["greedy"]))
         (self.out.parent / f"{self.out.stem}.rank{trainer.global_rank}.json").write_text(json.dumps(got))
 
+    def sampled(self, pl_module, greedy: SamplingSettings, completions: list) -> dict:
+        got = {
+            "predicted": self.predicted,
+            "one": pl_module.generate(PROMPTS[1], NEW),
+            "top_k_1": pl_module.generate_batch(PROMPTS, SamplingSettings(**{**SAMPLED, "top_k": 1})),
+            "seed1": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=1)),
+            "seed1_again": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=1)),
+            "seed2": pl_module.generate_batch(PROMPTS, SamplingSettings(**SAMPLED, seed=2)),
+            "eager": pl_module.generate_batch(PROMPTS, SamplingSettings(**{**asdict(greedy), "cuda_graphs": False})),
+        }
+        kept = decode_graphs._KEPT.get(pl_module.chunks[0])
+        got["graphs"] = len(kept.graphs) if kept is not None and kept.rows == len(PROMPTS) else 0
+        stop = got["stop_token"] = completions[0][2]
+        got["stopped"] = pl_module.generate_batch(PROMPTS, SamplingSettings(**{**asdict(greedy), "stop": [stop]}))
+        return got
 
-def run(tmp_path, source: str, devices: int, name: str, accelerator: str = "cpu", **parallel) -> dict:
+
+def run(tmp_path, source: str, devices: int, name: str, accelerator: str = "cpu", full: bool = True,
+        **parallel) -> dict:
     out = tmp_path / f"{name}.json"
     # a forked child cannot use CUDA once the parent has: GPU ranks start fresh processes
     start_method = "fork" if accelerator == "cpu" else "popen"
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        callbacks=[Generate(out)],
+        callbacks=[Generate(out, full)],
         strategy=MegatronStrategy(global_batch_size=devices, start_method=start_method, **parallel),
     )
     prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
@@ -94,13 +104,18 @@ def hf_greedy(hf) -> list[list[int]]:
                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
 
 
-def check_one_layout(got: dict) -> None:
+def check_cache(got: dict) -> None:
+    """Cached greedy decoding equals the no-cache reference, all prompts and each rank's own."""
     assert got["greedy"] == got["reference"], got
-    assert got["eager"] == got["greedy"]  # CUDA graphs (GPU) or not: the same tokens
     assert got["own_prompts_match"]
+    assert all(len(c) == NEW for c in got["greedy"])
+
+
+def check_one_layout(got: dict) -> None:
+    check_cache(got)
+    assert got["eager"] == got["greedy"]  # CUDA graphs (GPU) or not: the same tokens
     assert got["predicted"] == got["greedy"]
     assert got["one"] == got["reference"][1]
-    assert all(len(c) == NEW for c in got["greedy"])
     assert got["top_k_1"] == got["greedy"]  # top-k 1 leaves only the argmax to draw
     assert got["seed1"] == got["seed1_again"]
     assert got["seed1"] != got["seed2"]
