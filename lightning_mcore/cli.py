@@ -8,7 +8,9 @@
     lightning-mcore preprocess --input corpus.jsonl --tokenizer tok-dir --output-prefix data/corpus
 
 Config mistakes end with `error: ...` naming the key and exit code 2, without a traceback:
-unknown keys and wrong types (jsonargparse), parallel layouts that cannot work with the world
+unknown keys and wrong types (jsonargparse's report in one line with the closest valid names,
+cli_errors.py; options are never abbreviated, and the optimizer is the module's OptimizerSettings,
+not LightningCLI's --optimizer), parallel layouts that cannot work with the world
 size or the model's shape (checked here, before `fit` starts any process), and invalid values
 refused by the library's own classes while they are built (e.g. a model path that is not an
 HF directory, LoRA rank 0, a data file without the fields its format needs). Also checked here:
@@ -25,6 +27,7 @@ sequence, a NaN loss, a full disk) ends with one `error: ...` line from rank 0 a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -34,7 +37,7 @@ from typing import Any, NoReturn, Optional
 import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_mcore import config_yaml
+from lightning_mcore import cli_errors, config_yaml
 from lightning_mcore.model.lora_checks import LoRAPlanError
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.refusals import deliberate, report_refusals, traceback_frames
@@ -49,6 +52,9 @@ EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no
                "corpus.jsonl --tokenizer tok-dir --output-prefix data/corpus; see lightning-mcore "
                "preprocess --help.")
 
+DESCRIPTION = ("Subcommands: fit, validate, test, predict (a Lightning Trainer on a config); export, "
+               "verify, preprocess (described below).")
+
 
 class MegatronCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
@@ -58,7 +64,8 @@ class MegatronCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"epilog": EXPORT_HELP},
+            parser_kwargs={"epilog": EXPORT_HELP, "description": DESCRIPTION},
+            auto_configure_optimizers=False,  # the module's OptimizerSettings own the optimizer
             args=args,
             run=run,
             **kwargs,
@@ -68,6 +75,7 @@ class MegatronCLI(LightningCLI):
         """Every parser (the main one and each subcommand's) loads YAML refusing a key given
         twice (config_yaml.py), which YAML would silently resolve to the last."""
         kwargs.setdefault("parser_mode", config_yaml.MODE)
+        kwargs.setdefault("allow_abbrev", False)  # `--trainer.max_step` is a typo, not max_steps
         return super().init_parser(**kwargs)
 
     def instantiate_classes(self) -> None:
@@ -129,8 +137,25 @@ class MegatronCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         """Parse, then refuse a `ckpt_path` that is not a checkpoint directory (Lightning would
         otherwise read a file given there as one of its own checkpoints) and a checkpoint given
-        as `model` whose common.pt cannot be read (the module reads it while it is built)."""
-        super().parse_arguments(parser, args)
+        as `model` whose common.pt cannot be read (the module reads it while it is built).
+        jsonargparse's own errors become one line (cli_errors.py)."""
+        subparsers = self._subcommand_parsers_by_name()
+        parsers = [parser, *subparsers.values()]
+        for each in parsers:
+            each.exit_on_error = False
+        try:
+            super().parse_arguments(parser, args)
+            failed = None
+        except argparse.ArgumentError as error:
+            failed = error
+        finally:
+            for each in parsers:
+                each.exit_on_error = True
+        if failed is not None:
+            argv = sys.argv[1:] if args is None else [str(a) for a in args]
+            sub = next((a for a in argv if a in subparsers), None)
+            options = (subparsers[sub] if sub else parser)._option_string_actions
+            self._error(cli_errors.one_line(str(failed), argv, options), subcommand=sub)
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
@@ -146,6 +171,13 @@ class MegatronCLI(LightningCLI):
         if isinstance(source, (str, os.PathLike)) and checkpoint_io.is_checkpoint(source):
             self._read_checkpoint(f"model.init_args.model={source}", Path(source),
                                   checkpoint_io.read_saved_model, subcommand)
+
+    def _subcommand_parsers_by_name(self) -> dict:
+        """{subcommand: its parser}; none where the CLI was built with run=False."""
+        try:
+            return {name: self._parser(name) for name in self.subcommands()}
+        except (AttributeError, KeyError):
+            return {}
 
     def after_instantiate_classes(self) -> None:
         """What the built objects can still tell before any worker starts: the precision, the
@@ -312,7 +344,7 @@ class MegatronCLI(LightningCLI):
                subcommand: Optional[str] = None) -> NoReturn:
         """`error: message` on stderr, exit code 2. A value the parser took but the run cannot
         use: a pointer to --help, not the 50-line usage that would bury the message."""
-        parser = self._parser(subcommand or self.subcommand)
+        parser = self._parser(subcommand or getattr(self, "subcommand", None))
         if not parser.exit_on_error:
             parser.error(message, cause)
         prog = parser.prog.replace(" [options]", "")

@@ -1,0 +1,76 @@
+"""The first minutes with the command (issue 48, part 3): every subcommand is named where a user
+looks first, and a mistyped option ends in one `error:` line that names it and the closest valid
+ones: no usage dump, no abbreviation silently taken, no `--optimizer` that crashes later."""
+
+import dataclasses
+
+import pytest
+import yaml
+from readme import ROOT
+
+from lightning_mcore.cli import main
+from lightning_mcore.cli_errors import OPTIMIZER_HINT, SUBCOMMANDS
+from lightning_mcore.strategy.optimizer import OptimizerSettings
+
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def refused(capsys, *argv: str) -> str:
+    """In-process `lightning-mcore ARGV`: exit code 2 and exactly one `error:` line, which is
+    returned; at most one other line (the pointer to --help)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, err
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and len(err) <= 2, err
+    return errors[0]
+
+
+def printed_config(capsys, *argv: str) -> dict:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", QUICKSTART, *argv, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_no_subcommand_names_every_subcommand_and_each_one_runs(capsys):
+    line = refused(capsys)
+    assert line.endswith("the subcommands are " + ", ".join(SUBCOMMANDS))
+    for name in SUBCOMMANDS:  # the list is the dispatch: each prints its own help
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code in (0, None), name
+        assert "usage:" in capsys.readouterr().out, name
+
+
+def test_a_mistyped_subcommand_gets_the_closest_one(capsys):
+    assert refused(capsys, "fti").startswith("error: unknown subcommand 'fti': ")
+    assert refused(capsys, "fti").endswith("did you mean fit?")
+
+
+def test_an_abbreviated_option_is_refused_not_taken(capsys):
+    """argparse would take `--trainer.max_step 1` as `--trainer.max_steps 1`: a run of the
+    wrong length that looks right."""
+    assert printed_config(capsys, "--trainer.max_steps", "1")["trainer"]["max_steps"] == 1
+    line = refused(capsys, "fit", "--config", QUICKSTART, "--trainer.max_step", "1")
+    assert "unknown option --trainer.max_step " in line and "did you mean --trainer.max_steps" in line
+
+
+def test_a_nested_typo_names_the_class_and_the_closest_options(capsys):
+    line = refused(capsys, "fit", "--config", QUICKSTART, "--model.init_args.optim.lrr", "1e-3")
+    assert line == ("error: lightning_mcore.OptimizerSettings has no option 'lrr' (given as "
+                    "--model.init_args.optim.lrr); did you mean lr?")
+    assert printed_config(capsys, "--model.init_args.optim.lr", "1e-3")["model"]["init_args"]["optim"]["lr"] == 1e-3
+
+
+def test_optimizer_options_are_refused_and_point_to_the_module_settings(capsys):
+    """LightningCLI's --optimizer would build an optimizer over no parameters (the model is
+    built later, on its device); the module's OptimizerSettings own the optimizer."""
+    for flag in ("--optimizer", "--lr_scheduler"):
+        line = refused(capsys, "fit", "--config", QUICKSTART, flag, "torch.optim.AdamW")
+        assert line == f"error: unknown option {flag}: {OPTIMIZER_HINT}"
+    assert "optimizer" not in printed_config(capsys) and "lr_scheduler" not in printed_config(capsys)
+    named = OPTIMIZER_HINT.split(": ", 1)[1].rstrip(", ...)").split(", ")
+    fields = {f.name for f in dataclasses.fields(OptimizerSettings)}
+    assert named and set(named) <= fields, (named, fields)
