@@ -84,7 +84,7 @@ def export_checkpoint(
     from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights
     from lightning_mcore.strategy.parallel import ParallelConfig
 
-    saved = checkpoint_io.read_saved_model(checkpoint)  # clear errors before any set-up
+    saved = checkpoint_io.read_saved_model(checkpoint, "--checkpoint")  # clear errors before any set-up
     if source is not None and not Path(source).expanduser().is_dir():
         missing = "" if Path(source).expanduser().exists() else " (nothing is there)"
         raise HFCheckpointError(
@@ -95,7 +95,9 @@ def export_checkpoint(
     if source is None and saved.hf_path and Path(saved.hf_path).is_dir():
         source = saved.hf_path
     if mode == "peft" and not saved.lora:
-        raise checkpoint_io.CheckpointLoadError(f"{checkpoint} is not from a LoRA run: use mode='merged'.")
+        raise checkpoint_io.CheckpointLoadError(
+            f"--checkpoint {checkpoint} is not from a LoRA run: export it with --mode merged (the "
+            f"default), which writes the whole model.")
     base = saved.init_checkpoint or source
     if saved.lora and not (base and Path(base).is_dir()):
         raise checkpoint_io.CheckpointLoadError(

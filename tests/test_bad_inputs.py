@@ -536,3 +536,29 @@ def test_refusal_on_one_rank_only(tmp_path, start):
     assert result.returncode == 1, result.stderr[-3000:]
     line = error_line(result.stderr)
     assert line.startswith("error: (rank 1) ") and f"{tmp_path / 'blank.txt'}' holds no text" in line
+
+
+@pytest.mark.distributed
+def test_export_errors_name_the_export_flags(capsys, tmp_path, trained):
+    """`export` speaks of its own flags: --checkpoint (not fit's ckpt_path) and, for a peft
+    export of a run without LoRA, --mode merged (the default, which works on it)."""
+    for given in (tmp_path / "nope.ckpt", tmp_path):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", "--checkpoint", str(given), "--output", str(tmp_path / "hf")])
+        line = export_error(capsys.readouterr().err)
+        assert exit_info.value.code == 2 and line.startswith(f"--checkpoint {given} "), line
+        assert "ckpt_path" not in line
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "--checkpoint", str(trained), "--output", str(tmp_path / "peft"), "--mode", "peft"])
+    line = export_error(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and "export it with --mode merged" in line, line
+    assert not (tmp_path / "peft").exists()
+    main(["export", "--checkpoint", str(trained), "--output", str(tmp_path / "merged"), "--mode", "merged"])
+    assert (tmp_path / "merged" / "model.safetensors").is_file()  # the suggestion works as said
+
+
+def export_error(err: str) -> str:
+    """What follows `lightning-mcore export: error: ` on stderr's one line."""
+    (line,) = [line for line in err.splitlines() if line.strip()]
+    assert line.startswith("lightning-mcore export: error: "), err[-3000:]
+    return line.removeprefix("lightning-mcore export: error: ")

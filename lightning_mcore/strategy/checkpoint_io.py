@@ -223,12 +223,13 @@ def is_checkpoint(path) -> bool:
     return (Path(path) / COMMON).is_file() and (Path(path) / WEIGHTS).is_dir()
 
 
-def _load_common(path: Path) -> dict:
+def _load_common(path: Path, name: str = "ckpt_path") -> dict:
+    """`name`: what the user gave the path as, for the errors (`--checkpoint` in export)."""
     if not path.exists():
-        raise CheckpointLoadError(f"ckpt_path {path} does not exist.")
+        raise CheckpointLoadError(f"{name} {path} does not exist.")
     if not is_checkpoint(path):
         raise CheckpointLoadError(
-            f"ckpt_path {path} is not a MegatronStrategy checkpoint (expected a directory with "
+            f"{name} {path} is not a MegatronStrategy checkpoint (expected a directory with "
             f"{COMMON} and {WEIGHTS}/)."
         )
     common = load_plain(path / COMMON)
@@ -271,10 +272,10 @@ class SavedModel:
     head: str = "lm"  # the module's output_head: "lm", or "score" (a reward model)
 
 
-def read_saved_model(path) -> SavedModel:
+def read_saved_model(path, name: str = "ckpt_path") -> SavedModel:
     from lightning_mcore.model.config import GPTConfig
 
-    extra = _load_common(Path(path)).get("megatron", {})
+    extra = _load_common(Path(path), name).get("megatron", {})
     config = GPTConfig(**extra["model_config"])
     return SavedModel(config, extra.get("hf_family"), extra.get("hf_path"),
                       getattr(torch, extra.get("dtype", "float32")), _saved_padded_vocab(extra, config),
