@@ -3,10 +3,13 @@ looks first, and a mistyped option ends in one `error:` line that names it and t
 ones: no usage dump, no abbreviation silently taken, no `--optimizer` that crashes later."""
 
 import dataclasses
+import re
+import shlex
 
+import lightning as L
 import pytest
 import yaml
-from readme import ROOT
+from readme import ROOT, section
 
 from lightning_mcore.cli import main
 from lightning_mcore.cli_errors import OPTIMIZER_HINT, SUBCOMMANDS
@@ -74,3 +77,42 @@ def test_optimizer_options_are_refused_and_point_to_the_module_settings(capsys):
     named = OPTIMIZER_HINT.split(": ", 1)[1].rstrip(", ...)").split(", ")
     fields = {f.name for f in dataclasses.fields(OptimizerSettings)}
     assert named and set(named) <= fields, (named, fields)
+
+
+class Launched(BaseException):
+    """Raised where Trainer.fit would start the ranks: every check before launch passed."""
+
+
+def spans(start: str, end: str) -> list[str]:
+    """The inline code spans of the quickstart section's text from `start` to `end`."""
+    text = section("The main job: quickstart")
+    text = text[text.index(start):]
+    return re.findall(r"`([^`]+)`", text[: text.index(end)])
+
+
+def test_readme_overrides_work_as_shown(capsys, monkeypatch):
+    """The README's override examples on the quickstart pass every check before launch and
+    reach the trainer as given."""
+    seen = []
+
+    def fit(trainer, *args, **kwargs):
+        strategy = trainer.strategy
+        seen.append((trainer.max_steps, strategy.parallel.tensor_model_parallel_size,
+                     strategy.parallel.pipeline_model_parallel_size))
+        raise Launched
+
+    monkeypatch.setattr(L.Trainer, "fit", fit)
+    examples = spans("Any option can be overridden", "shows them all")
+    assert len(examples) == 3 and examples[-1] == "--print_config", examples
+    for example in examples[:2]:
+        with pytest.raises(Launched):
+            main(["fit", "--config", QUICKSTART, *shlex.split(example)])
+    assert seen == [(10, 2, 1), (80, 1, 2)], seen
+
+
+def test_readme_mistyped_options_are_refused(capsys):
+    examples = spans("Options are never abbreviated", "ends in one")
+    assert len(examples) == 2, examples
+    for example in examples:
+        line = refused(capsys, "fit", "--config", QUICKSTART, example, "1")
+        assert example in line and "did you mean" in line, line

@@ -494,3 +494,12 @@ def test_distill(tmp_path, hf_stubs):
     teacher, student = module.teacher.model_config, module.model_config
     assert (teacher.num_layers, student.num_layers) == (2, 1) and teacher.vocab_size == student.vocab_size == 512
     assert module.teacher.hf_path == "configs/sample_data/tiny-llama" and teacher.seq_length == student.seq_length
+
+
+def test_readme_config_table_lists_every_config():
+    """The README's table of configs names each file of configs/ once (a user picks from it)."""
+    from readme import README
+
+    table = [line for line in README.splitlines() if line.startswith("| `") and ".yaml`" in line]
+    named = [name for line in table for name in re.findall(r"`([\w.]+\.yaml)`", line.split(" | ")[0])]
+    assert sorted(named) == CONFIGS, sorted(set(CONFIGS) ^ set(named))
