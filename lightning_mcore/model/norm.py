@@ -13,8 +13,9 @@ the same flag itself); the weight then starts at zero.
 from __future__ import annotations
 
 import torch
-import torch.distributed.nn  # noqa: F401  (autograd all_reduce)
 import torch.nn.functional as F
+
+from lightning_mcore.model.group_sum import sum_over_group
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -62,7 +63,7 @@ class ProjectionRMSNorm(torch.nn.Module):
                              f"{x.shape[-1]} on each of {tp} tensor-parallel ranks.")
         squares = x.float().pow(2).sum(dim=(-2, -1), keepdim=True)
         if tp > 1:
-            squares = torch.distributed.nn.functional.all_reduce(squares, group=group)
+            squares = sum_over_group(squares, group)
         normed = x.float() * torch.rsqrt(squares / self.size + self.eps)
         weight = self.weight[rank * local:(rank + 1) * local].view(x.shape[-2:])
         return weight * normed.to(x.dtype)

@@ -3,8 +3,8 @@
 Each tensor-parallel rank holds a [..., vocab / tp] slice of both models' logits (mcore's output
 layer; with sequence parallelism the sequence is already gathered there). Log-softmax needs the
 max and the sum of exponentials over the whole vocabulary: the max is all-reduced detached (any
-shift gives the same value), the sum of exponentials with torch's differentiable all_reduce
-(backward: all-reduce of the gradients, since every rank's loss depends on every rank's logits
+shift gives the same value), the sum of exponentials with a differentiable all-reduce (group_sum.py;
+backward: all-reduce of the gradients, since every rank's loss depends on every rank's logits
 through the normaliser). Each rank then sums its part of the per-token divergence over its
 columns and `_replicated_sum` all-reduces that forward with an identity backward (mcore's
 reduce_from_tensor_model_parallel_region): the sum is the replicated loss every rank differentiates,
@@ -26,7 +26,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
+
+from lightning_mcore.model.group_sum import sum_over_group
 
 Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 
@@ -52,7 +53,7 @@ def log_softmax(logits: torch.Tensor, vocab_size: int, group, temperature: float
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     total = torch.exp(z - top.unsqueeze(-1)).sum(dim=-1)
     if _size(group) > 1:
-        total = dist_nn.all_reduce(total, group=group)
+        total = sum_over_group(total, group)
     return z - (top + torch.log(total)).unsqueeze(-1)
 
 
