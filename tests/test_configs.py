@@ -437,6 +437,10 @@ def test_missing_model_directory_is_named(capsys):
 def test_missing_data_file_is_named(capsys):
     err = fails(capsys, "--config", "configs/sft.yaml", "--data.init_args.paths", "data/missing.jsonl")
     assert "error: data (SFTDataModule): no file matches 'data/missing.jsonl'" in err
+    assert f"(relative to the working directory {os.getcwd()})" in err  # where it was looked for
+    absolute = ROOT / "data" / "missing.jsonl"
+    err = fails(capsys, "--config", "configs/sft.yaml", "--data.init_args.paths", str(absolute))
+    assert f"no file matches '{absolute}'" in err and "working directory" not in err
 
 
 def test_invalid_value_is_named(capsys):

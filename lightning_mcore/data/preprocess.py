@@ -37,7 +37,7 @@ def resolve_files(paths: Union[str, Sequence[str]]) -> list[str]:
         matches = sorted(glob.glob(os.path.expanduser(path), recursive=True))
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
-            raise FileNotFoundError(f"no file matches {path!r}")
+            raise FileNotFoundError(f"no file matches {path!r}{_relative_to(path)}")
         for match in matches:
             if os.path.splitext(match)[1].lower() not in BUILDERS:
                 raise ValueError(
@@ -48,10 +48,15 @@ def resolve_files(paths: Union[str, Sequence[str]]) -> list[str]:
     return files
 
 
+def _relative_to(path: str) -> str:
+    """For an error about a relative path: the working directory it was looked for in."""
+    return "" if os.path.isabs(os.path.expanduser(path)) else f" (relative to the working directory {os.getcwd()})"
+
+
 def tokenizer_dir(path: str) -> str:
     """The expanded tokenizer directory, or an error naming it if it does not exist."""
     if not os.path.isdir(os.path.expanduser(path)):
-        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
+        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist{_relative_to(path)}")
     return os.path.expanduser(path)
 
 
