@@ -125,6 +125,12 @@ HARMLESS_LINES = tuple(
     HarmlessLine(name, r"💡 Tip:", "Lightning's log lines that advertise other products")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 ) + (
+    HarmlessLine("lightning.pytorch.utilities.rank_zero",
+                 r"The following callbacks returned in `LightningModule\.configure_callbacks` will "
+                 r"override existing callbacks passed to Trainer: (ModelSummary|TQDMProgressBar)"
+                 r"(, (ModelSummary|TQDMProgressBar))?$",
+                 "MegatronModule puts our progress bar and model summary in place of Lightning's "
+                 "defaults (objectives/console.py); an override of any other callback still shows"),
     HarmlessLine("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED\.",
                  "mcore 0.19 asks those who build on it to move to its HybridModel; GPTModel, which "
                  "it still has, is what we build for the user"),

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from readme import README, ROOT, clean_env, code_blocks, commands, run, section, user_dir
+from readme import README, ROOT, clean_env, code_blocks, commands, run, section, user_dir, warnings_in
 
 
 def logged(directory, key: str) -> list[float]:
@@ -82,6 +82,16 @@ def test_readme_python_example_trains(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     (loss,) = [float(x) for x in re.findall(r"^LOSS (\S+)$", proc.stdout, re.M)]
     assert loss < 3.0  # from ~6.2 (log 512) at the start
+    # The console as the CLI's: our summary of the whole model (by hand: untied embedding and
+    # output layer, per layer QKV of 4 heads + 2 groups x 32, proj, SwiGLU fc1, fc2, two norms),
+    # steps of max_steps, no Lightning default that misreads this run, no warning.
+    h, f, v, qkv = 128, 352, 512, 128 + 2 * 2 * 32
+    total = 2 * v * h + 2 * (h * qkv + h * h + 2 * h * f + f * h + 2 * h) + h
+    console = proc.stdout + proc.stderr
+    assert f"vocab 512: {total:,} parameters, {total:,} trainable" in console, console[-3000:]
+    assert "step: 80/80" in console or "step=80/80" in console, console[-3000:]
+    assert not re.search(r"Total FLOPs|v_num|Epoch \d+/-2", console), console[-3000:]
+    assert warnings_in(console) == [], warnings_in(console)
 
 
 def test_readme_verify_command_passes(tmp_path):

@@ -12,7 +12,6 @@ from typing import Optional, Union
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mcore import models
@@ -21,6 +20,7 @@ from lightning_mcore.model import generation, inference
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.model.lora_checks import expert_backend_for_lora
+from lightning_mcore.objectives.console import count_parameters, replacing_defaults
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
@@ -90,6 +90,11 @@ class MegatronModule(L.LightningModule):
         if isinstance(tokenizer, (str, os.PathLike)) and os.path.isdir(tokenizer):
             self.tokenizer_path = str(tokenizer)
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Our progress bar and model summary in place of Lightning's defaults (objectives/
+        console.py): a Python run shows steps of max_steps and the whole model, as the CLI."""
+        return replacing_defaults(self.trainer.callbacks)
+
     def configure_model(self) -> None:
         if self.chunks is not None:
             return
@@ -99,8 +104,8 @@ class MegatronModule(L.LightningModule):
             from lightning_mcore.model.lora import apply_lora
 
             apply_lora(chunks, self.lora, strategy.seed)
-            trainable = _count_parameters(chunks, trainable_only=True)
-            total = _count_parameters(chunks)
+            trainable = count_parameters(chunks, trainable_only=True)
+            total = count_parameters(chunks)
             rank_zero_info(f"LoRA: {trainable:,} trainable parameters, {total:,} in the model "
                            f"({100 * trainable / total:.3f}%).")
             self.lora_trainable_parameters = trainable
@@ -259,27 +264,3 @@ class MegatronModule(L.LightningModule):
         # CPU tensors: Lightning would copy a float to the GPU, a wait for the update just queued
         self.log_dict({k: torch.tensor(v) for k, v in logs.items()}, batch_size=1)
 
-
-def _count_parameters(chunks, trainable_only: bool = False) -> int:
-    """Parameters of the whole model: TP shards summed, TP-replicated tensors counted once,
-    stages summed over the pipeline (a tied output layer on the last stage counts again);
-    MoE expert weights (`allreduce=False`) summed over EP, counted once per expert-TP group."""
-    from megatron.core import parallel_state as ps
-
-    ranks = {False: ps.get_tensor_model_parallel_rank(), True: ps.get_expert_tensor_parallel_rank()}
-    mine = [0, 0]  # dense, expert
-    for p in (p for c in chunks for p in c.parameters()):
-        expert = not getattr(p, "allreduce", True)
-        if (p.requires_grad or not trainable_only) and (
-                ranks[expert] == 0 or getattr(p, "tensor_model_parallel", False)
-                or getattr(p, "lora_sharded", False)):
-            mine[expert] += p.numel()
-    device = next(p for c in chunks for p in c.parameters()).device  # NCCL needs it on the GPU
-    dense, expert = (torch.tensor(n, dtype=torch.int64, device=device) for n in mine)
-    if dist.is_initialized():
-        dist.all_reduce(dense, group=ps.get_tensor_model_parallel_group())
-        dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
-        dense += expert
-        dist.all_reduce(dense, group=ps.get_pipeline_model_parallel_group())
-        return int(dense.item())
-    return int((dense + expert).item())
