@@ -127,8 +127,8 @@ HARMLESS_LINES = tuple(
 ) + (
     HarmlessLine("lightning.pytorch.utilities.rank_zero",
                  r"The following callbacks returned in `LightningModule\.configure_callbacks` will "
-                 r"override existing callbacks passed to Trainer: (ModelSummary|TQDMProgressBar)"
-                 r"(, (ModelSummary|TQDMProgressBar))?$",
+                 r"override existing callbacks passed to Trainer: "
+                 r"(?:(?:RichModelSummary|ModelSummary|RichProgressBar|TQDMProgressBar)(?:, |$))+$",
                  "MegatronModule puts our progress bar and model summary in place of Lightning's "
                  "defaults (objectives/console.py); an override of any other callback still shows"),
     HarmlessLine("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED\.",

@@ -92,6 +92,7 @@ def test_readme_python_example_trains(tmp_path):
     assert "step: 80/80" in console or "step=80/80" in console, console[-3000:]
     assert not re.search(r"Total FLOPs|v_num|Epoch \d+/-2", console), console[-3000:]
     assert warnings_in(console) == [], warnings_in(console)
+    assert "configure_callbacks` will override" not in console  # quiet.py: ours replace the defaults
 
 
 def test_readme_verify_command_passes(tmp_path):
