@@ -24,7 +24,8 @@ def one_line(message: str, argv: Iterable[str], options: Iterable[str]) -> str:
     argv, options = [str(a) for a in argv], sorted(options)
     if "argument subcommand: invalid choice" in message or "to be one of {" in message:
         given = next((a for a in argv if not a.startswith("-")), None)
-        said = f"unknown subcommand '{given}'" if given and "invalid choice" in message else "no subcommand given"
+        unknown = given and "invalid choice" in message
+        said = f"unknown subcommand '{given}'" if unknown else "no subcommand given"
         return f"{said}: the subcommands are {', '.join(SUBCOMMANDS)}{_did_you_mean(given, SUBCOMMANDS)}"
     unrecognized = re.search(r"Unrecognized arguments: (.*)", message, re.I)
     if unrecognized:
@@ -33,7 +34,8 @@ def one_line(message: str, argv: Iterable[str], options: Iterable[str]) -> str:
     nested = _nested_option(message)
     if nested is not None:
         name, class_path = nested
-        typed = next((a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0].endswith(f".{name}")), None)
+        flags = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+        typed = next((flag for flag in flags if flag.endswith(f".{name}")), None)
         where = f" (given as {typed})" if typed else ""
         return (f"{class_path} has no option '{name}'{where}"
                 f"{_did_you_mean(name, _parameters(class_path))}")

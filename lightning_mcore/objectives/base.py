@@ -263,4 +263,3 @@ class MegatronModule(L.LightningModule):
             logs["train/skipped_update"] = float(optimizer.last_update_skipped)
         # CPU tensors: Lightning would copy a float to the GPU, a wait for the update just queued
         self.log_dict({k: torch.tensor(v) for k, v in logs.items()}, batch_size=1)
-
