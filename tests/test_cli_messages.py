@@ -116,3 +116,26 @@ def test_readme_mistyped_options_are_refused(capsys):
     for example in examples:
         line = refused(capsys, "fit", "--config", QUICKSTART, example, "1")
         assert example in line and "did you mean" in line, line
+
+
+def test_the_program_freezes_what_its_imports_made(monkeypatch):
+    """`lightning-mcore` (pyproject's script, `python -m lightning_mcore.cli`) is `command`: it
+    freezes the import-time objects out of the garbage collector, then runs `main`, which a
+    caller's own process runs without freezing anything."""
+    import gc
+    import importlib
+    import tomllib
+
+    from lightning_mcore import cli
+
+    module, name = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][
+        "lightning-mcore"].split(":")
+    assert getattr(importlib.import_module(module), name) is cli.command
+    ran = []
+    monkeypatch.setattr(cli, "main", lambda: ran.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        cli.command()
+        assert ran and ran[0] > 10_000  # torch's, Lightning's and mcore's objects at least
+    finally:
+        gc.unfreeze()

@@ -27,6 +27,10 @@ MoE (local spec, SequentialMLP experts), patched in mcore's modules while instal
    (CUDA) Adam and SGD and TE's multi-tensor kernels for the grad norm, clipping and main-param
    copies: on CPU, torch's Adam and SGD and mcore's own local implementations, as when neither
    TE nor Apex is installed.
+11. Threads: a rank on CPU runs small models whose ops are too short to share among many
+   threads. Unless the user sets OMP_NUM_THREADS, each of n > 1 local ranks gets min(4, cpus // n)
+   (Lightning's default is cpus // n: on 16 cores the quickstart at TP=2 ran 6.9 it/s with 8
+   threads per rank, 13.8 with 4, 11.1 with 1; benchmarks/RESULTS.md, session 20).
 Torch function modes are not active inside autograd's backward; none of the above is needed
 there (checked by tests/test_cpu_compat.py).
 """
@@ -34,12 +38,33 @@ there (checked by tests/test_cpu_compat.py).
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
+MAX_THREADS_PER_RANK = 4  # (11)
+
+
+def choose_rank_threads(local_ranks: int) -> None:
+    """(11) In the launching process, before any rank starts: OMP_NUM_THREADS for ranks that
+    start later to inherit (Lightning's launchers then set none of their own). A user's value
+    stays; a single process keeps torch's default (on 16 cores: 16.3 it/s with 16 threads,
+    17.9 with 4, the same within this measurement's noise)."""
+    if local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cpus = len(os.sched_getaffinity(0))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, min(MAX_THREADS_PER_RANK, cpus // local_ranks)))
+
+
+def use_rank_threads() -> None:
+    """(11) In a rank: torch's CPU thread pool at OMP_NUM_THREADS. The launching process, which
+    becomes rank 0 under the CLI, sized its pool when torch was imported, before the value was
+    chosen; a forked rank gets its pool rebuilt on this thread (strategy/forked.py)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
 
 
 def _is_cuda(device) -> bool:

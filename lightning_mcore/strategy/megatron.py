@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mcore.strategy import determinism
 from lightning_mcore.strategy.async_saves import AsyncSaves
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
-from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
+from lightning_mcore.strategy.cpu import CpuCompat, choose_rank_threads, cuda_on_cpu, use_rank_threads
 from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_rng, release_captured_graphs,
                                                   validate_cuda_graphs, validate_graphed_module)
 from lightning_mcore.strategy.expert_gemm import validate_expert_gemm, validate_expert_kernel
@@ -180,6 +180,8 @@ class MegatronStrategy(DDPStrategy):
         self.deterministic = determinism.requested()  # Lightning has set torch's flag by now
         if self.deterministic:
             determinism.set_environment()  # before any rank starts (strategy/determinism.py)
+        if self.on_cpu:
+            choose_rank_threads(self.num_processes)  # before any rank starts (strategy/cpu.py)
         super()._configure_launcher()
         if type(self._launcher) is _MultiProcessingLauncher:  # fork/spawn (strategy/launcher.py)
             self._launcher = MultiprocessingLauncher(self, start_method=self._start_method)
@@ -226,6 +228,7 @@ class MegatronStrategy(DDPStrategy):
         self.validate_module(self.lightning_module)  # still before any process group exists
         _ = self.dtype  # refuse unsupported precision before starting processes groups
         if self.on_cpu:
+            use_rank_threads()
             self._cpu.install()
         super().setup_environment()  # sets the device, starts torch.distributed
         from megatron.core import parallel_state
