@@ -60,3 +60,23 @@ def test_a_rank_sizes_its_pool_to_the_value(monkeypatch, value, expected):
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(1)  # forked ranks of later tests need a one-thread parent
+
+
+class RecordThreads(L.Callback):
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        with open(self.out, "a") as f:
+            f.write(f"{torch.get_num_threads()}\n")
+
+
+def test_each_rank_runs_with_the_chosen_count(tmp_path, monkeypatch):
+    """Two forked ranks train with OMP_NUM_THREADS's count (2), while the launching process,
+    whose pool was sized at import, keeps its one thread."""
+    from toy import fit
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    fit(tmp_path, devices=2, steps=1, callbacks=(RecordThreads(tmp_path / "threads"),))
+    assert (tmp_path / "threads").read_text().split() == ["2", "2"]
+    assert torch.get_num_threads() == 1

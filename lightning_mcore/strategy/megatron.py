@@ -228,7 +228,8 @@ class MegatronStrategy(DDPStrategy):
         self.validate_module(self.lightning_module)  # still before any process group exists
         _ = self.dtype  # refuse unsupported precision before starting processes groups
         if self.on_cpu:
-            use_rank_threads()
+            if self.num_processes > 1:  # a run in the caller's own process keeps its threads
+                use_rank_threads()
             self._cpu.install()
         super().setup_environment()  # sets the device, starts torch.distributed
         from megatron.core import parallel_state
