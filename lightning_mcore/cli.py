@@ -42,6 +42,7 @@ from lightning_mcore import cli_errors, config_yaml
 from lightning_mcore.model.lora_checks import LoRAPlanError
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.refusals import deliberate, report_refusals, traceback_frames
+from lightning_mcore.strategy.forked_ranks import ending_forked_rank
 from lightning_mcore.strategy.parallel import LayoutError
 
 EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no training code): "
@@ -133,7 +134,10 @@ class MegatronCLI(LightningCLI):
         options = self._get(self.config_init, "trainer", default={})
         given = options.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        return super().instantiate_trainer(**default_console(options, given), **kwargs)
+        trainer = super().instantiate_trainer(**default_console(options, given), **kwargs)
+        if hasattr(trainer.strategy, "fork_ranks"):  # a CLI run makes one Trainer call
+            trainer.strategy.fork_ranks()
+        return trainer
 
     def parse_arguments(self, parser, args) -> None:
         """Parse, then refuse a `ckpt_path` that is not a checkpoint directory (Lightning would
@@ -466,6 +470,12 @@ def _owner_key(error: BaseException) -> Optional[str]:
 
 
 def main(args=None) -> None:
+    """One subcommand. A rank forked during it (on CPU, strategy/forked_ranks.py) ends here."""
+    with ending_forked_rank():
+        _run(args)
+
+
+def _run(args) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["export"]:  # a checkpoint to an HF directory: no Trainer, no training code
         from lightning_mcore.export_checkpoint import main as export_main

@@ -31,7 +31,9 @@ times a factor, with a floor, is each output's tolerance. See `tolerance_rule`.
 from __future__ import annotations
 
 import math
+import os
 import re
+import shutil
 import sys
 import tempfile
 import traceback
@@ -135,7 +137,9 @@ class Layout:
     devices: Optional[int] = None  # None: the fewest the sizes need
     accelerator: str = "cpu"
     precision: Optional[str] = None  # None: 32-true on CPU, bf16-mixed on GPU
-    start_method: str = "popen"  # how Lightning starts the ranks; "fork" from Python (tests)
+    # how the ranks start: "popen" re-runs the program; "fork" from Python (tests); None (the
+    # command's default, `main` only): forked from this process on CPU (fork_ranks), else popen
+    start_method: Optional[str] = "popen"
 
     @property
     def parallel(self) -> dict:
@@ -336,7 +340,7 @@ def run_ours(module, trainer: L.Trainer, prompts: Prompts, out: Path) -> Optiona
     rows = [{"tokens": row} for row in prompts.tokens]
     loader = DataLoader(rows, batch_size=len(rows))
     report_refusals(trainer, trainer.predict, model=module, dataloaders=loader, return_predictions=False)
-    if trainer.global_rank != 0:  # a rank the launcher started by re-running the command
+    if trainer.global_rank != 0:  # a rank the launcher started (re-running the command, or forked)
         return None
     return torch.load(out / "ours.pt", weights_only=True)
 
@@ -567,6 +571,8 @@ def build_trainer(layout: Layout, module, capture: CaptureLayers) -> L.Trainer:
             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
             callbacks=[capture],
         )
+        if layout.start_method is None:
+            strategy.fork_ranks()
         strategy.validate_module(module)
     except LayoutError as error:
         keys = _layout_keys(error, layout, module)
@@ -592,7 +598,7 @@ def verify(model: str, reference: Optional[str] = None, layout: Layout = Layout(
            reference_dtype: str = "float32") -> Optional[Report]:
     """Compare our model of the HF directory `model`, run at `layout`, with transformers' model
     of `reference` (default: the same directory). Returns the Report in the launching process
-    (None in the ranks a `popen` launch starts by re-running the command); raises VerifyError
+    (None in the other ranks its launch starts); raises VerifyError
     on a mistake found before any rank starts, ReferenceFailed where transformers fails."""
     reference = reference or model
     if layout.dtype_name not in PRECISIONS:
@@ -609,10 +615,13 @@ def verify(model: str, reference: Optional[str] = None, layout: Layout = Layout(
     check_reference(reference, cfg)
     multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
     rows = build_prompts(prompts, [model, reference], cfg.vocab_size, cfg.seq_length, multiple)
-    with tempfile.TemporaryDirectory(prefix="lightning-mcore-verify-") as out:
-        capture = CaptureLayers(Path(out))
-        trainer = build_trainer(layout, module, capture)
-        ours = run_ours(module, trainer, rows, Path(out))
+    launching, out = os.getpid(), Path(tempfile.mkdtemp(prefix="lightning-mcore-verify-"))
+    try:
+        trainer = build_trainer(layout, module, CaptureLayers(out))
+        ours = run_ours(module, trainer, rows, out)
+    finally:
+        if os.getpid() == launching:  # not a rank forked from this process (fork_ranks)
+            shutil.rmtree(out, ignore_errors=True)
     if ours is None:
         return None
     del module, trainer
@@ -662,10 +671,17 @@ def main(args=None) -> None:
                              "fixed texts, or fixed token ids where there is no tokenizer")
     parser.add_argument("--reference_dtype", type=Literal["float32", "bfloat16"], default="float32",
                         help="dtype of transformers' model, which runs on CPU")
-    parser.add_argument("--start_method", type=Literal["popen", "fork", "spawn"], default="popen",
-                        help="how the ranks start (Lightning's launcher): popen re-runs this command, "
-                             "fork suits a call from Python")
-    config = parser.parse_args(args)
+    parser.add_argument("--start_method", type=Optional[Literal["popen", "fork", "spawn"]], default=None,
+                        help="how the ranks start: by default this process is rank 0 and, on CPU, "
+                             "forks the others once its imports are done (on GPU it re-runs this "
+                             "command for them, as popen does); fork suits a call from Python")
+    from lightning_mcore.strategy.forked_ranks import ending_forked_rank
+
+    with ending_forked_rank():  # a rank forked by the launch ends here
+        _verify_command(parser.parse_args(args))
+
+
+def _verify_command(config) -> None:
     layout = Layout(**{k: config[k] for k in Layout.__dataclass_fields__})
     try:
         report = verify(config.model, config.reference, layout, config.tolerance, config.prompts,

@@ -9,7 +9,8 @@ come faster than it writes. argv: tmp dir, mode:
                       shards and metadata complete in the temporary directory;
   "slurm"             one rank (a single SLURM task: the test sets SLURM's environment).
 START_METHOD in the environment: how the ranks start, "popen" (default: the signal tests are
-about the ranks the CLI starts) or "fork" (the tests of what a kill leaves on disk).
+about the ranks the CLI starts, on GPU), "cli" (rank 1 forked from this process, as the CLI
+starts it on CPU) or "fork" (the tests of what a kill leaves on disk).
 Each writer call appends a line to `<tmp>/writes` before it writes (one per save: at DP=2 every
 tensor is replicated and rank 0 writes it)."""
 
@@ -23,6 +24,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 
 from lightning_mcore.strategy import checkpoint_io
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
+from lightning_mcore.strategy.forked_ranks import ending_forked_rank
 from toy import fit_with_checkpoints
 
 DELAY_S = 0.5
@@ -71,6 +73,9 @@ original_writer = FileSystemWriterAsync.write_preloaded_data_multithread
 FileSystemWriterAsync.write_preloaded_data_multithread = staticmethod(slow_writer)
 original_replace, checkpoint_io.replace_dir = checkpoint_io.replace_dir, replace_dir
 fast = ModelCheckpoint(dirpath=tmp / "fast", every_n_train_steps=1, save_top_k=1, save_last=True)
-fit_with_checkpoints(tmp, "run", devices=1 if mode == "slurm" else 2, start_method=os.environ.get("START_METHOD", "popen"),
-                     tensor_model_parallel_size=1,
-                     checkpoint=CheckpointOptions(async_save=True), callbacks=(fast,))
+start = os.environ.get("START_METHOD", "popen")
+with ending_forked_rank():
+    fit_with_checkpoints(tmp, "run", devices=1 if mode == "slurm" else 2,
+                         start_method=None if start == "cli" else start, fork_ranks=start == "cli",
+                         tensor_model_parallel_size=1, checkpoint=CheckpointOptions(async_save=True),
+                         callbacks=(fast,))

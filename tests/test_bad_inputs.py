@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -464,15 +465,17 @@ def test_sliding_window_model_takes_inputs_longer_than_the_window(tmp_path):
 
 
 # --------------------------------------------------------------- failures inside the workers
-def launch(config: str, *args: str, start: str = "popen", timeout: int = 240,
+def launch(config: str, *args: str, start: Optional[str] = None, timeout: int = 240,
            **env: str) -> subprocess.CompletedProcess:
-    """`lightning-mcore fit` as a user runs it: 2 ranks, real exit code. `start`: how Lightning
-    starts them, "popen" (the CLI's default: the command's process is rank 0 and rank 1 a fresh
-    interpreter) or "fork" (both forked from the command's process, which runs no rank)."""
+    """`lightning-mcore fit` as a user runs it: 2 ranks, real exit code. `start`: how the ranks
+    start. None: the CLI's default on CPU (the command's process is rank 0 and forks rank 1,
+    strategy/forked_ranks.py); "popen" (rank 1 a fresh interpreter re-running the command, the
+    default on GPU); "fork" (Lightning's: both forked from the command's process, which runs no
+    rank)."""
     path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
-    argv = [sys.executable, "-m", "lightning_mcore.cli", "fit", "--config", config, *args,
-            "--trainer.strategy.init_args.start_method", start]
+    argv = [sys.executable, "-m", "lightning_mcore.cli", "fit", "--config", config, *args]
+    argv += ["--trainer.strategy.init_args.start_method", start] if start else []
     return subprocess.run(argv, cwd=Path(config).parent, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -484,10 +487,10 @@ def worker_error(result: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A real checkpoint of the tiny model: 2 steps, TP=2 on 2 ranks (forked from the command's
-    process: how the ranks start is not what the tests that read it are about)."""
+    """A real checkpoint of the tiny model: 2 steps, TP=2 on 2 ranks (the CLI's default on CPU:
+    how the ranks start is not what the tests that read it are about)."""
     directory = tmp_path_factory.mktemp("trained")
-    result = launch(write_config(directory), start="fork")
+    result = launch(write_config(directory))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (directory / "run" / "last.ckpt" / "common.pt").is_file()
     return directory / "run" / "last.ckpt"
@@ -502,7 +505,7 @@ def test_truncated_checkpoint_shard(tmp_path, trained):
     (tmp_path / "probe").mkdir()
     config = write_config(tmp_path / "probe")
     before = snapshot(tmp_path)
-    line = worker_error(launch(config, "--ckpt_path", str(ckpt), "--trainer.max_steps", "3", start="fork"))
+    line = worker_error(launch(config, "--ckpt_path", str(ckpt), "--trainer.max_steps", "3"))
     assert f"{ckpt / 'weights'} cannot be read" in line and "truncated or damaged" in line
     assert not line.startswith("error: (rank")  # rank 0 reported it
     after = snapshot(tmp_path)
@@ -524,10 +527,10 @@ def test_text_shorter_than_one_sequence(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("start", ["popen", "fork"])
+@pytest.mark.parametrize("start", [None, "popen", "fork"])
 def test_refusal_on_one_rank_only(tmp_path, start):
     """Rank 1 refuses while rank 0 waits for it in a collective: rank 1 reports (after giving
-    rank 0 the time to), rank 0's broken collective adds no traceback; under either launcher
+    rank 0 the time to), rank 0's broken collective adds no traceback; under each launcher
     (under fork the command's process, which runs no rank, adds none either)."""
     (tmp_path / "blank.txt").write_text("  \n")
     data = json.loads(json.dumps(PRETRAIN_DATA))

@@ -134,8 +134,10 @@ def test_kill_during_an_async_save(tmp_path, mode):
 def test_sigterm_during_an_async_save(tmp_path, target):
     """A scheduler's SIGTERM to every process (or to rank 0 alone) while saves are written: the
     run finishes them, publishes them, and exits 143; no process is left; last.ckpt is the
-    newest complete checkpoint."""
-    child = start(tmp_path, "slow")
+    newest complete checkpoint. Rank 1 re-runs the program (popen, the launcher on GPU) for the
+    group; for rank 0 alone it is forked as the CLI forks it on CPU, and rank 0 forwards the
+    signal to it."""
+    child = start(tmp_path, "slow", START_METHOD="popen" if target == "group" else "cli")
     wait_for(child, lambda: writes(tmp_path) >= 6, "the third save")
     (os.killpg if target == "group" else os.kill)(child.pid, signal.SIGTERM)
     _, err = child.communicate(timeout=240)

@@ -6,8 +6,8 @@ run in a checkpoint directory another run is writing into, `--ckpt_path last` wi
 resume, a checkpoint directory the run cannot write, and `preprocess` on files without the
 text field. In the ranks (real 2-rank launches, exit code 1): a NaN gradient norm, a malformed
 JSONL line past the records the data modules peek at, and a checkpoint on a full disk. These
-ranks are forked from the command's process (start_method fork); the probes of the CLI's
-default launcher, popen, are in test_bad_inputs.py.
+ranks start as the CLI starts them on CPU (rank 1 forked from the command's process, rank 0);
+the probes of the other launchers (popen, Lightning's fork) are in test_bad_inputs.py.
 """
 
 from __future__ import annotations
@@ -229,8 +229,7 @@ def test_preprocess_malformed_line_past_the_first_records(capsys, tmp_path):
 @pytest.mark.distributed
 def test_nan_gradient_norm(tmp_path):
     """lr=1e30: the first update overflows the weights, the second step's gradient norm is NaN."""
-    result = launch(write_config(tmp_path), "--model.init_args.optim.lr", "1e30", "--trainer.max_steps", "4",
-                    start="fork")
+    result = launch(write_config(tmp_path), "--model.init_args.optim.lr", "1e30", "--trainer.max_steps", "4")
     line = worker_error(result)
     assert line.startswith("error: non-finite ") and "the update was not applied" in line
     assert not any((tmp_path / "run").glob("*.ckpt"))  # nothing saved from the diverged run
@@ -246,7 +245,7 @@ def test_malformed_jsonl_line_past_the_first_records(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     data = json.loads(json.dumps(SFT_DATA))
     data["init_args"]["paths"] = str(path)
-    line = worker_error(launch(write_config(tmp_path, data, "SFTModule"), start="fork"))
+    line = worker_error(launch(write_config(tmp_path, data, "SFTModule")))
     assert f"'{path}' line 120 is not valid JSON" in line
     assert not line.startswith("error: (rank")
 
@@ -303,7 +302,7 @@ def test_checkpoint_directory_turned_read_only_during_the_run(tmp_path, small_di
     config = yaml.safe_load(Path(write_config(tmp_path)).read_text())
     config["trainer"]["callbacks"].append({"class_path": "worker_faults.RemountReadOnly"})
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    line = worker_error(launch(str(tmp_path / "config.yaml"), start="fork"))
+    line = worker_error(launch(str(tmp_path / "config.yaml")))
     assert f"cannot write {small_disk}/" in line and "Read-only file system" in line
 
 
@@ -313,7 +312,7 @@ def test_checkpoint_directory_turned_read_only_during_the_run(tmp_path, small_di
 def test_checkpoint_on_a_full_disk(tmp_path, small_disk):
     """4 KiB: the first file of the checkpoint does not fit (torch's writer says only
     `unexpected pos`); 256 KiB: the weight shards do not (mcore's workers: `[Errno 28]`)."""
-    line = worker_error(launch(write_config(tmp_path), start="fork"))
+    line = worker_error(launch(write_config(tmp_path)))
     assert f"cannot write {small_disk}/" in line and "the disk is full" in line
 
 

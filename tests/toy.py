@@ -131,10 +131,11 @@ class StopAfter(L.Callback):
 def fit_with_checkpoints(tmp: Path, name: str, devices: int, stop: int = None, ckpt_path=None,
                          config=None, checkpoint=None, start_method="fork", accelerator="cpu",
                          optim: OptimizerSettings | None = None, precision: str = "32-true",
-                         callbacks: tuple = (), **parallel):
+                         callbacks: tuple = (), fork_ranks: bool = False, **parallel):
     """6 steps of the tiny model on the sample text, checkpoints every 3 steps (+ last.ckpt);
     returns rank 0's per-step losses. `optim`: default Adam at lr 1e-3, 2 warmup steps;
-    `callbacks`: more Lightning callbacks."""
+    `callbacks`: more Lightning callbacks; `fork_ranks`: ranks forked from this process as the
+    CLI forks them on CPU (with start_method None; the caller ends them, ending_forked_rank)."""
     out = tmp / f"{name}.json"
     callbacks = [RecordLosses(out), ModelCheckpoint(dirpath=tmp / f"{name}-ckpts", every_n_train_steps=3,
                                                     save_top_k=-1, save_last=True), *callbacks]
@@ -146,6 +147,8 @@ def fit_with_checkpoints(tmp: Path, name: str, devices: int, stop: int = None, c
         strategy=MegatronStrategy(global_batch_size=8, micro_batch_size=2, start_method=start_method,
                                   checkpoint=checkpoint, **parallel),
     )
+    if fork_ranks:
+        trainer.strategy.fork_ranks()
     data = PretrainDataModule(paths=str(ROOT / "configs/sample_data/sample.txt"),
                               tokenizer=str(ROOT / "configs/sample_data/tokenizer"), seq_length=32,
                               shuffle=True, cache_dir=str(tmp / "cache"))

@@ -31,6 +31,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mcore.strategy import determinism
@@ -41,6 +42,7 @@ from lightning_mcore.strategy.cuda_graphs import (check_graph_shape, graph_safe_
                                                   validate_cuda_graphs, validate_graphed_module)
 from lightning_mcore.strategy.expert_gemm import validate_expert_gemm, validate_expert_kernel
 from lightning_mcore.strategy.forked import rebuild_thread_pool
+from lightning_mcore.strategy.forked_ranks import ForkedRanksLauncher
 from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
 from lightning_mcore.strategy.launcher import MultiprocessingLauncher
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
@@ -88,7 +90,7 @@ class MegatronStrategy(DDPStrategy):
         seed: int = 1234,
         checkpoint: Optional[CheckpointOptions] = None,
         timeout: Optional[timedelta] = timedelta(minutes=30),
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        start_method: Optional[Literal["popen", "spawn", "fork", "forkserver"]] = None,
         process_group_backend: Optional[str] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -103,6 +105,11 @@ class MegatronStrategy(DDPStrategy):
         for the device: on GPU both on (optimizer state sharded over data-parallel ranks, grad
         reduce-scatter overlapped with backward; the sharding with Adam only), on CPU both off.
 
+        `start_method` is how this process starts the other ranks of its node: "popen" (left None)
+        keeps this process as rank 0 and runs the program again for each other rank; the CLI on
+        CPU forks them from its process instead where it is left None (`fork_ranks`). "fork" and
+        "spawn" are Lightning's multiprocessing launcher (notebooks, tests).
+
         Lightning's `Trainer(deterministic=True)` also turns on mcore's deterministic mode and the
         environment TE, NCCL and cuBLAS need for it (strategy/determinism.py)."""
         super().__init__(
@@ -113,8 +120,9 @@ class MegatronStrategy(DDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method=start_method,
+            start_method=start_method or "popen",
         )
+        self._may_fork_ranks = start_method is None  # fork_ranks: the CLI's default on CPU
         self.parallel = ParallelConfig(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -185,6 +193,15 @@ class MegatronStrategy(DDPStrategy):
         super()._configure_launcher()
         if type(self._launcher) is _MultiProcessingLauncher:  # fork/spawn (strategy/launcher.py)
             self._launcher = MultiprocessingLauncher(self, start_method=self._start_method)
+
+    def fork_ranks(self) -> None:
+        """For a program that makes one Trainer call and then ends, as the CLI does: on CPU,
+        ranks 1.. are forked from this process when that call starts, instead of re-running the
+        program in fresh interpreters (strategy/forked_ranks.py). Nothing changes on GPU, where
+        `start_method` was given (popen included), or where this process does not start the
+        ranks (torchrun, srun)."""
+        if self.on_cpu and self._may_fork_ranks and type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = ForkedRanksLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def validate_module(self, module) -> None:
         """Settle the fast-path defaults for the module's optimizer (`optim`), then run every
