@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_mcore import models
 from lightning_mcore.hf.load import load_hf_weights
 from lightning_mcore.model import generation, inference
+from lightning_mcore.model.build import build_chunks  # here, not in the ranks: forked ones share it
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.model.lora_checks import expert_backend_for_lora
@@ -116,7 +117,6 @@ class MegatronModule(L.LightningModule):
         or an HF checkpoint (only this rank's slices, any saved layout), or drawn so that they
         do not depend on the parallel layout. `source`: another model built the same way (a
         distillation teacher), anything with model_config, hf_family, hf_path, init_checkpoint."""
-        from lightning_mcore.model.build import build_chunks
         from lightning_mcore.model.init import init_layout_invariant
         from lightning_mcore.strategy import checkpoint_io
 
