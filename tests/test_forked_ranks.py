@@ -125,6 +125,14 @@ def test_the_launcher_forks_the_other_ranks_which_go_on_as_a_re_run_program(tmp_
         launcher.launch(call, "test")
 
 
+def test_the_launcher_refuses_to_fork_ranks_that_would_run_on_into_the_caller():
+    launcher = ForkedRanksLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    with mock.patch.dict(os.environ), pytest.raises(RuntimeError, match="ending_forked_rank"):
+        os.environ.pop("LOCAL_RANK", None)
+        launcher.launch(lambda: None)
+    assert launcher.procs == []
+
+
 def shards(checkpoint: Path) -> dict:
     """Every tensor of a distributed checkpoint's weights."""
     reader = FileSystemReader(str(checkpoint / "weights"))

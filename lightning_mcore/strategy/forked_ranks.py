@@ -17,7 +17,8 @@ handlers (the finalizers of temporary directories that process made, among them)
 
 On CPU only: a rank forked on a GPU machine would share the parent's CUDA and Transformer
 Engine state, which neither supports. A program that makes a second Trainer call in the same
-process is refused (its ranks have ended): it needs the subprocess launcher.
+process is refused (its ranks have ended): it needs the subprocess launcher. So is a call outside
+`ending_forked_rank`, whose forked ranks would return into the caller's code.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _launch_proc
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 _forked_rank: Optional[int] = None  # this process's local rank, in a rank forked by the launcher
+_ends_here = 0  # how many `ending_forked_rank` blocks this process is in
 
 
 def forked_rank() -> Optional[int]:
@@ -79,6 +81,10 @@ class ForkedRanksLauncher(_SubprocessScriptLauncher):
                                "CLI's launcher); a program that makes several needs start_method "
                                "'popen' without the CLI")
         if not self.cluster_environment.creates_processes_externally:
+            if not _ends_here:
+                raise RuntimeError("ranks forked from this process would run on into its caller: "
+                                   "call the Trainer inside `with ending_forked_rank():` around "
+                                   "the program's main, as lightning_mcore.cli.main does")
             self._fork_ranks()
             if _forked_rank is None:
                 _launch_process_observer(self.procs)
@@ -108,6 +114,8 @@ class ForkedRanksLauncher(_SubprocessScriptLauncher):
 def ending_forked_rank() -> Iterator[None]:
     """Around a program's main: a rank forked inside it ends here, with the code the program
     would have exited with, by os._exit; in any other process this does nothing."""
+    global _ends_here
+    _ends_here += 1
     try:
         yield
     except BaseException as error:  # noqa: BLE001 - re-raised where no rank was forked
@@ -117,6 +125,8 @@ def ending_forked_rank() -> Iterator[None]:
     else:
         if _forked_rank is not None:
             _end(None)
+    finally:
+        _ends_here -= 1
 
 
 def _end(error: Optional[BaseException]) -> NoReturn:
