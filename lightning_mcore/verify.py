@@ -571,8 +571,7 @@ def build_trainer(layout: Layout, module, capture: CaptureLayers) -> L.Trainer:
             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
             callbacks=[capture],
         )
-        if layout.start_method is None:
-            strategy.fork_ranks()
+        strategy.fork_ranks()  # a no-op unless start_method was left None (the command's default)
         strategy.validate_module(module)
     except LayoutError as error:
         keys = _layout_keys(error, layout, module)
