@@ -10,7 +10,8 @@ come faster than it writes. argv: tmp dir, mode:
   "slurm"             one rank (a single SLURM task: the test sets SLURM's environment).
 START_METHOD in the environment: how the ranks start, "popen" (default: the signal tests are
 about the ranks the CLI starts, on GPU), "cli" (rank 1 forked from this process, as the CLI
-starts it on CPU) or "fork" (the tests of what a kill leaves on disk).
+starts it on CPU: the tests of what a kill leaves on disk) or "fork" (Lightning's: both ranks
+forked, this process runs none).
 Each writer call appends a line to `<tmp>/writes` before it writes (one per save: at DP=2 every
 tensor is replicated and rank 0 writes it)."""
 

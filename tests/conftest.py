@@ -9,11 +9,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # unless this is set before CUDA starts (Gemma 3's tiny model: 8e-3 off with TF32, 4e-6 without).
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 
+import datasets  # noqa: E402, F401 - see below
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from process_state import leaves_no_process_state  # noqa: E402
 
 torch.set_num_threads(1)
+# `datasets` gives its logger a handler on sys.stderr when it is imported: imported first inside a
+# test, that is the test's capsys buffer, closed after it, and every later log line of datasets
+# prints logging's own error with a traceback into the next test's stderr (seen in a test that
+# asserts stderr holds one error line). Imported here, the handler writes to pytest's session
+# capture, which lives as long as the session.
 # On CPU, mcore's fused functions (jit_fuser: torch.compile) are traced and built by inductor in
 # every new rank process, seconds each on 2 cores, for kernels no CPU test is about; they run
 # eagerly here. The README's commands run as a user runs them (readme.clean_env drops this).

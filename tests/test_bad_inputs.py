@@ -28,6 +28,7 @@ import transformers
 import yaml
 from torch.utils.data import DataLoader
 
+import forked_process
 from hf_models import hf_logits
 from lightning_mcore import GPTConfig, MegatronStrategy, PretrainModule
 from lightning_mcore.cli import main
@@ -96,9 +97,14 @@ def error_line(err: str) -> str:
 
 @pytest.fixture(autouse=True)
 def no_fit(monkeypatch):
-    """Nothing in-process may start training: a missed refusal would launch ranks."""
+    """Nothing in-process may start training: a missed refusal would launch ranks. A command that
+    `launch` forks from this process trains, as it would in a fresh interpreter."""
+    fit, test_process = L.Trainer.fit, os.getpid()
+
     @functools.wraps(L.Trainer.fit)  # the CLI reads fit's arguments (ckpt_path) from its signature
     def refuse(*args, **kwargs):
+        if os.getpid() != test_process:
+            return fit(*args, **kwargs)
         raise AssertionError("Trainer.fit must not run: the mistake was not found before launch")
 
     monkeypatch.setattr(L.Trainer, "fit", refuse)
@@ -467,17 +473,23 @@ def test_sliding_window_model_takes_inputs_longer_than_the_window(tmp_path):
 # --------------------------------------------------------------- failures inside the workers
 def launch(config: str, *args: str, start: Optional[str] = None, timeout: int = 240,
            **env: str) -> subprocess.CompletedProcess:
-    """`lightning-mcore fit` as a user runs it: 2 ranks, real exit code. `start`: how the ranks
-    start. None: the CLI's default on CPU (the command's process is rank 0 and forks rank 1,
-    strategy/forked_ranks.py); "popen" (rank 1 a fresh interpreter re-running the command, the
-    default on GPU); "fork" (Lightning's: both forked from the command's process, which runs no
-    rank)."""
+    """`lightning-mcore fit` as a user runs it: 2 ranks, real exit code, stdout and stderr, the
+    command's process forked from this one (forked_process.py: the imports are done). `start`: how
+    the ranks start. None: the CLI's default on CPU (the command's process is rank 0 and forks
+    rank 1, strategy/forked_ranks.py); "popen" (rank 1 re-runs the command, the default on GPU)
+    and "fork" (Lightning's: both forked from the command's process, which runs no rank), each
+    with the command in a fresh interpreter."""
     path = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
-    argv = [sys.executable, "-m", "lightning_mcore.cli", "fit", "--config", config, *args]
+    argv = ["fit", "--config", config, *args]
     argv += ["--trainer.strategy.init_args.start_method", start] if start else []
-    return subprocess.run(argv, cwd=Path(config).parent, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    if start in ("popen", "fork"):  # popen: rank 1 re-runs the command as a fresh interpreter was
+        # given it; fork: Lightning refuses to fork ranks from a process forked from one that asked
+        # CUDA for its devices (this one has: conftest), a fresh interpreter has not
+        return subprocess.run([sys.executable, "-m", "lightning_mcore.cli", *argv], cwd=Path(config).parent,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    return forked_process.run(forked_process.cli_command, [str(forked_process.CLI), *argv],
+                              cwd=Path(config).parent, env=env, timeout=timeout)
 
 
 def worker_error(result: subprocess.CompletedProcess) -> str:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import forked_process
+from forked_process import ForkedProcess, script
 from lightning_mcore.strategy.safe_files import load_plain, read_dcp_metadata
 from toy import fit_with_checkpoints
 
@@ -42,12 +44,17 @@ def _no_run_outlives_its_test():
             child.communicate()
 
 
-def start(tmp: Path, mode: str, **env) -> subprocess.Popen:
+def start(tmp: Path, mode: str, **env) -> subprocess.Popen | ForkedProcess:
+    """async_save_run.py in a session of its own: forked from this process (forked_process.py), or
+    a fresh interpreter where rank 1 re-runs it (START_METHOD popen, the default, on 2 ranks)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
-    child = subprocess.Popen([sys.executable, str(HERE / "async_save_run.py"), str(tmp), mode], env=env,
-                             cwd=tmp, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    argv = [str(HERE / "async_save_run.py"), str(tmp), mode]
+    if env.get("START_METHOD", "popen") == "popen" and mode != "slurm":
+        child = subprocess.Popen([sys.executable, *argv], env=env, cwd=tmp, start_new_session=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    else:
+        child = ForkedProcess(script(argv[0]), argv, cwd=tmp, env=env, start_new_session=True)
     _STARTED.append(child)
     return child
 
@@ -103,7 +110,7 @@ def test_saves_faster_than_the_writer(tmp_path):
     """Each step saves step=N.ckpt (the previous one removed, maybe still being written) and
     last.ckpt (again, while the last one is written): the run finishes, only the newest
     checkpoints remain and all are complete; no temporary directory is left."""
-    child = start(tmp_path, "slow", START_METHOD="fork")  # ranks forked: the launcher is not the subject
+    child = start(tmp_path, "slow", START_METHOD="cli")  # rank 1 forked: the launcher is not the subject
     out, err = child.communicate(timeout=600)
     assert child.returncode == 0, err[-3000:]
     ckpts = published(tmp_path)
@@ -118,7 +125,7 @@ def test_saves_faster_than_the_writer(tmp_path):
 def test_kill_during_an_async_save(tmp_path, mode):
     """SIGKILL while a save is written, or after it is written and before it is renamed:
     every checkpoint in place is complete and the newest resumes."""
-    child = start(tmp_path, mode, START_METHOD="fork")  # the kill takes the whole process group
+    child = start(tmp_path, mode, START_METHOD="cli")  # the kill takes the whole process group
     wait_for(child, (tmp_path / "frozen").exists, "the frozen save")
     os.killpg(child.pid, signal.SIGKILL)
     child.communicate()
@@ -175,28 +182,8 @@ def test_slurm_requeue_signal(tmp_path):
 def forked(body) -> tuple[int, str]:
     """`body()` in a process forked from this one (nothing to import again): its exit code
     (SystemExit's, 1 for an error, 0 if it returns) and what it wrote to stderr."""
-    import tempfile
-    import traceback
-
-    with tempfile.TemporaryFile("w+") as err:
-        pid = os.fork()
-        if pid == 0:  # the child never returns into pytest
-            code = 1
-            try:
-                os.dup2(err.fileno(), 2)
-                sys.stderr = open(2, "w", closefd=False)  # not pytest's capture
-                body()
-                code = 0
-            except SystemExit as stop:
-                code = stop.code if isinstance(stop.code, int) else 1
-            except BaseException:  # noqa: BLE001 - reported through stderr
-                traceback.print_exc()
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        err.seek(0)
-        return os.waitstatus_to_exitcode(status), err.read()
+    result = forked_process.run(body, [body.__name__])
+    return result.returncode, result.stderr
 
 
 def test_a_stopped_run_leaves_no_deadline_behind(monkeypatch):

@@ -7,8 +7,6 @@ command's own `main`; one successful export per case runs the real console comma
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -21,6 +19,7 @@ from lightning_mcore import HFExport, MegatronStrategy, OptimizerSettings, Pretr
 from lightning_mcore.hf.export_dir import MARKER, ExportTargetError, check_target
 from lightning_mcore.export_checkpoint import main as export_main
 from lightning_mcore.strategy import checkpoint_io
+import forked_process
 from toy import ROOT, TokenRows, fit_with_checkpoints, tiny_config
 
 TOKENIZER = ROOT / "configs/sample_data/tokenizer"
@@ -52,26 +51,14 @@ def export(args, capsys) -> tuple:
     return info.value.code, capsys.readouterr().err
 
 
-def _run_export(args: list, err: str) -> None:
-    """The forked child: the command's output to the file `err`."""
-    sys.stderr = sys.stdout = open(err, "w")
-    export_main([str(a) for a in args])
-
-
 def forked_export(args) -> tuple:
-    """(exit code, stderr) of `lightning-mcore export ARGS` (the command's own `main`) in a
-    process forked from this one: no fresh interpreter's imports, and the process group the
-    export starts stays out of this process (later forked ranks would hang on what it leaves)."""
-    import multiprocessing
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("r", suffix=".export-err", delete=False) as err:
-        child = multiprocessing.get_context("fork").Process(target=_run_export, args=(list(args), err.name))
-        child.start()
-        child.join()
-    text = Path(err.name).read_text()
-    os.unlink(err.name)
-    return child.exitcode, text
+    """(exit code, stdout + stderr) of `lightning-mcore export ARGS` (the command's own `main`) in
+    a process forked from this one (forked_process.py): no fresh interpreter's imports, and the
+    process group the export starts stays out of this process (later forked ranks would hang on
+    what it leaves)."""
+    args = [str(a) for a in args]
+    result = forked_process.run(lambda: export_main(args), [str(forked_process.CLI), "export", *args])
+    return result.returncode, result.stdout + result.stderr
 
 
 def refused(args, capsys, *names) -> str:
@@ -130,13 +117,13 @@ def test_export_refuses_the_current_directory(run, capsys, tmp_path, monkeypatch
 
 
 def test_export_writes_then_replaces_only_its_own_export(run, tmp_path, capsys):
-    """The real console command: what it prints, the tokenizer it copies, file modes; a second
-    export needs --overwrite (refused before any process group: in this process) and then gives
-    the same files (the command's `main` in a forked process: the console command ran above)."""
+    """The console command (forked from this process: the README's tests run it in a fresh
+    interpreter): what it prints, the tokenizer it copies, file modes; a second export needs
+    --overwrite (refused before any process group: in this process) and then gives the same
+    files (the command's `main`, forked)."""
     out = tmp_path / "hf"
-    command = [sys.executable, "-m", "lightning_mcore.cli", "export", "--checkpoint",
-               str(run / "x-ckpts/last.ckpt"), "--output", str(out)]
-    first = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+    command = [str(forked_process.CLI), "export", "--checkpoint", str(run / "x-ckpts/last.ckpt"), "--output", str(out)]
+    first = forked_process.run(forked_process.cli_command, command, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
     assert {"config.json", "model.safetensors", MARKER, "tokenizer.json"} <= set(files)
@@ -147,10 +134,10 @@ def test_export_writes_then_replaces_only_its_own_export(run, tmp_path, capsys):
     weights = load_file(out / "model.safetensors")
 
     before = snapshot(out)
-    code, err = export(command[4:], capsys)
+    code, err = export(command[2:], capsys)
     assert code == 2 and "--overwrite" in err.strip().splitlines()[-1]
     assert snapshot(out) == before
-    code, err = forked_export(command[4:] + ["--overwrite"])
+    code, err = forked_export(command[2:] + ["--overwrite"])
     assert code == 0, err[-2000:]
     assert sorted(p.name for p in out.iterdir()) == files
     assert all(torch.equal(weights[k], v) for k, v in load_file(out / "model.safetensors").items())
