@@ -113,8 +113,8 @@ def check_layout_invariant_training(family: str, tp2: dict, tmp_path, reference=
                                     **changes) -> None:
     """From scratch (layout-invariant initial weights, A_log and biases included): 6 steps at
     `tp2` (a 2-rank layout) have the losses of 6 at `reference` (devices, layout; one process by
-    default); a `tp2` checkpoint after 3 resumes at each of `resume_at` and continues with the
-    same losses. `changes`: GPTConfig fields replaced."""
+    default); the `tp2` run's checkpoint after 3 resumes at each of `resume_at` and continues with
+    the same losses. `changes`: GPTConfig fields replaced."""
     import dataclasses
 
     from hf_models import hf_config_dict
@@ -128,8 +128,7 @@ def check_layout_invariant_training(family: str, tp2: dict, tmp_path, reference=
     one = run(tmp_path, "one", reference[0], config=cfg, **reference[1])
     for got, want in zip(one, straight):
         assert abs(got - want) <= 1e-5 * abs(want), (one, straight)
-    run(tmp_path, "first", 2, stop=3, config=cfg, **tp2)
-    saved = str(tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt")
+    saved = str(tmp_path / "straight-ckpts" / "epoch=0-step=3.ckpt")
     for name, devices, layout in resume_at:
         resumed = run(tmp_path, name, devices, ckpt_path=saved, config=cfg, **layout)
         for got, want in zip(resumed, straight[3:]):

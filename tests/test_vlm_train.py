@@ -127,4 +127,4 @@ def test_tiny_vlm_learns_colours(tmp_path):
     assert found["after"] > 0.9, found
 
 
-STEPS = 150
+STEPS = 100  # greedy accuracy 1.0 from step 90 (0.27 up to step 40: chance)
