@@ -2,14 +2,13 @@
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from forked_process import ForkedProcess, script
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from process_state import leaves_no_process_state
 from toy import fit_with_checkpoints as run
@@ -122,8 +121,8 @@ def test_sigkill_mid_save_resumes_from_previous_checkpoint(tmp_path, point, stra
     straight = straight1[0]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
                                                         os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, str(Path(__file__).parent / "crash_during_save.py"),
-                              str(tmp_path), point], env=env, start_new_session=True)
+    crash = str(Path(__file__).parent / "crash_during_save.py")  # forked: one rank, nothing to launch
+    child = ForkedProcess(script(crash), [crash, str(tmp_path), point], env=env, start_new_session=True)
     deadline = time.monotonic() + 240
     while not (tmp_path / "frozen").exists():
         assert child.poll() is None and time.monotonic() < deadline, "child ended before the save"
