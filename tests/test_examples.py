@@ -114,16 +114,21 @@ def test_custom_loss_tp2_trains_like_one_process(tmp_path):
 
 def test_notebook(tmp_path):
     """examples/notebook.ipynb top to bottom (it asserts that transformers' greedy tokens from
-    the export equal the TP=2 mcore model's); then its logged loss fell."""
+    the export equal the TP=2 mcore model's); then its logged loss fell, in a new run-N directory
+    beside an earlier run's, which it left alone."""
     import nbclient
     import nbformat
 
     notebook = nbformat.read(ROOT / "examples" / "notebook.ipynb", as_version=4)
+    earlier = tmp_path / "nb" / "run-0" / "earlier.txt"  # an earlier run's output: left as it is
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("kept")
     client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(ROOT)}})
     client.execute(env=clean_env(tmp_path, NOTEBOOK_OUT=str(tmp_path / "nb")))
 
     loss = losses(metrics(tmp_path / "nb"))
     assert len(loss) >= 40 and loss[-1] < loss[0] - 1.0, loss
-    check = json.loads((tmp_path / "nb" / "check.json").read_text())
+    assert earlier.read_text() == "kept" and sorted(p.name for p in earlier.parent.iterdir()) == ["earlier.txt"]
+    check = json.loads((tmp_path / "nb" / "run-1" / "check.json").read_text())
     assert len(check["mcore"]) == 24 and check["transformers"] == check["mcore"], check
