@@ -119,21 +119,19 @@ def _child(body, argv, cwd, env, new_session: bool, out_fd: int, err_fd: int) ->
         return 1
     code = 1
     try:
+        body()
+        code = 0
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except BaseException:  # noqa: BLE001 - reported as an interpreter reports it
+        traceback.print_exc()
+    atexit._run_exitfuncs()  # the command's own exit handlers (the test process's were dropped)
+    weakref.finalize._exitfunc()  # each handler's error is printed there, not raised
+    for stream in (sys.stdout, sys.stderr):
         try:
-            body()
-            code = 0
-        except SystemExit as stop:
-            code = _exit_code(stop.code)
-        except BaseException:  # noqa: BLE001 - reported as an interpreter reports it
-            traceback.print_exc()
-        atexit._run_exitfuncs()  # the command's own exit handlers only (dropped the test's below)
-        weakref.finalize._exitfunc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream: nothing left to write
-                pass
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing left to write
+            pass
     return code
 
 

@@ -2,7 +2,8 @@
 and checkpoint files are loaded without unpickling code.
 
 The refusals happen before any process group exists, so they run in this process through the
-command's own `main`; one successful export per case runs the real console command.
+command's own `main`; one successful export per case runs the console command, forked from this
+process (the README's tests run it in a fresh interpreter).
 """
 
 import hashlib
