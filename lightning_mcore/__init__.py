@@ -10,7 +10,7 @@ from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill import DistillModule, DistillSettings
 from lightning_mcore.objectives.dpo import DPOModule
-from lightning_mcore.objectives.grpo import GRPOModule, GRPOSampling
+from lightning_mcore.objectives.grpo import GRPOModule, GRPOSampling, RolloutCorrection
 from lightning_mcore.objectives.kto import KTOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
 from lightning_mcore.objectives.reward import RewardModule
@@ -42,6 +42,7 @@ __all__ = [
     "ParallelConfig",
     "PretrainModule",
     "RewardModule",
+    "RolloutCorrection",
     "SFTModule",
     "VisionLanguageSFTModule",
 ]

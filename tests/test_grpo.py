@@ -391,7 +391,7 @@ def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
     asked for num_generations times with its stop tokens and a per-step seed; rewards read the
     decoded completions and the dataset's `answer` column."""
     import sys
-    from types import ModuleType
+    from types import ModuleType, SimpleNamespace
 
     from lightning_mcore.data import PromptDataModule
 
@@ -404,14 +404,15 @@ def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
         def __init__(self, **kwargs):
             self.__dict__.update(kwargs)
 
-    def generate_batch(strategy, chunks, prompts, cfg, sampling):
+    def generate_traced(strategy, chunks, prompts, cfg, sampling, routing=False):
         with open(calls, "a") as f:
             f.write(json.dumps({"prompts": prompts, "stop": sampling.stop, "seed": sampling.seed,
-                                "max_new_tokens": sampling.max_new_tokens}) + "\n")
+                                "max_new_tokens": sampling.max_new_tokens, "routing": routing}) + "\n")
         texts = ["\\boxed{3}", "\\boxed{13}", "it is 13", "14"]  # per completion of a group
-        return [tokenizer(texts[i % G], add_special_tokens=False)["input_ids"] for i in range(len(prompts))]
+        ids = [tokenizer(texts[i % G], add_special_tokens=False)["input_ids"] for i in range(len(prompts))]
+        return SimpleNamespace(completions=ids, logps=[[-1.0] * len(c) for c in ids], routing=None)
 
-    fake.SamplingSettings, fake.generate_batch = SamplingSettings, generate_batch
+    fake.SamplingSettings, fake.generate_traced = SamplingSettings, generate_traced
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {n} plus 10?", "answer": str(n + 10)}) + "\n"
@@ -438,7 +439,7 @@ def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompt_ids]
     assert call["prompts"] == [p for p in prompt_ids for _ in range(G)]
     assert call["stop"] == sorted({5, tokenizer.eos_token_id}) and call["seed"] == 7
-    assert call["max_new_tokens"] == 16
+    assert call["max_new_tokens"] == 16 and call["routing"] is False  # a dense model routes nothing
     metrics = json.loads(out.read_text())
     # prompt 3+10: "\boxed{13}" and "it is 13" right; prompt 4+10: "14" right (the last number)
     assert metrics["train/reward"] == 3 / 8

@@ -162,6 +162,10 @@ class GPTConfig:
     # on bf16 picks the experts of transformers' Qwen-MoE and Mixtral gates (tests/test_moe_router.py).
     # mcore warns for 32+ experts without it; it changes no weight.
     moe_router_dtype: Optional[Literal["fp32"]] = None
+    # Routers that can record and replay their choices (GRPO's routing replay and its routing
+    # mismatch, model/routing_replay.py); set by the objective, not a property of the weights.
+    # TE's fused router kernel, which would skip the replay, is then not used.
+    moe_routing_replay: bool = False
     # Execution
     transformer_impl: TransformerImpl = "auto"
     # Activation recompute (GPU; checks: strategy/memory.py). "full" recomputes whole layers:
@@ -457,11 +461,12 @@ def to_transformer_config(
             moe_router_group_topk=cfg.moe_router_group_topk,
             moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
             moe_router_dtype=cfg.moe_router_dtype,
+            moe_enable_routing_replay=cfg.moe_routing_replay,
         )
         if use_te and cfg.torch_experts:
             # TE's fused permutation sorts by expert on the device (mcore's unfused sort reads the
             # counts on the host); both fusions as measured with torch's experts
-            kwargs.update(moe_permute_fusion=True, moe_router_fusion=True)
+            kwargs.update(moe_permute_fusion=True, moe_router_fusion=not cfg.moe_routing_replay)
     config_class = TransformerConfig
     if cfg.mla is not None:
         config_class = MLATransformerConfig

@@ -12,7 +12,8 @@ seed gives the same tokens on every rank and at any layout (up to ties in the fl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -92,16 +93,52 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg,
     (new tokens only) of each prompt, with a KV cache (`strategy`: a MegatronStrategy or a
     callable giving one; `cfg`: the GPTConfig). Data-parallel ranks may pass different prompts
     (GRPO's rollouts); tensor- and pipeline-parallel peers pass the same."""
+    return generate_traced(strategy, chunks, prompts, cfg, sampling).completions
+
+
+@dataclass
+class Generated:
+    """What generate_traced gives: each prompt's `completions` (new tokens), the `logps` of
+    those tokens under the model (log-softmax of its logits at temperature 1, float64, whatever
+    the sampling settings), and with `routing`, for each prompt, the experts every position fed
+    to the model chose: [len(prompt) + len(completion) - 1, MoE layers of this rank, topk] (the
+    last new token is never fed)."""
+
+    completions: list[list[int]]
+    logps: list[list[float]]
+    routing: Optional[list[torch.Tensor]] = None
+
+    def rows(self, start: int, count: int) -> "Generated":
+        part = slice(start, start + count)
+        routing = None if self.routing is None else self.routing[part]
+        return Generated(self.completions[part], self.logps[part], routing)
+
+
+@torch.no_grad()
+def generate_traced(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
+                    routing: bool = False) -> Generated:
+    """generate_batch, with each new token's log-prob and, with `routing`, every MoE layer's
+    choice of experts for every position fed (model/routing_replay.py; the KV cache is needed,
+    and decode CUDA graphs are skipped: a replayed graph calls no Python)."""
     refuse_too_long(prompts, sampling.max_new_tokens, cfg.seq_length)
     strategy = strategy() if callable(strategy) else strategy
     strategy.refuse_context_parallel("generate")
+    if routing:
+        from lightning_mcore.model.kv_cache import cache_unavailable
+
+        why = cache_unavailable(strategy, cfg)
+        if why:
+            raise ValueError(f"generate: recording the experts' routing needs the KV cache, which is "
+                             f"unavailable with {why}")
+        sampling = replace(sampling, cuda_graphs=False)
     shared = _expert_parallel_share(prompts, cfg)
     if shared is not None:  # every data-parallel rank generates all ranks' prompts
         parts, start = shared
         everyone = [p for part in parts for p in part]
-        out = generate_columns(strategy, chunks, everyone, cfg, sampling, [len(part) for part in parts])
-        return out[start:start + len(prompts)]
-    return generate_columns(strategy, chunks, prompts, cfg, sampling, [len(prompts)])
+        out = generate_columns(strategy, chunks, everyone, cfg, sampling, [len(part) for part in parts],
+                               routing=routing)
+        return out.rows(start, len(prompts))
+    return generate_columns(strategy, chunks, prompts, cfg, sampling, [len(prompts)], routing=routing)
 
 
 def _expert_parallel_share(prompts: list[list[int]], cfg) -> Optional[tuple[list, int]]:
@@ -134,25 +171,41 @@ def _uniforms(seed: int, position: int, groups: list[int]) -> torch.Tensor:
 
 
 def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
-                     groups: list[int], inputs=None) -> list[list[int]]:
+                     groups: list[int], inputs=None, routing: bool = False) -> Generated:
     """The completions of `prompts` through the cache, one column per step; `groups`: the row
     counts that draw their numbers from one stream (_uniforms); `inputs`: what a step feeds the
-    model (model/kv_cache.py; default token ids)."""
+    model (model/kv_cache.py; default token ids); `routing`: record the experts' choices."""
+    from lightning_mcore.model import routing_replay
     from lightning_mcore.model.kv_cache import next_token_logits
 
     if not prompts or sampling.max_new_tokens == 0:
-        return [[] for _ in prompts]
+        return Generated([[] for _ in prompts], [[] for _ in prompts],
+                         [torch.zeros(0) for _ in prompts] if routing else None)
     rows, lengths = len(prompts), [len(p) for p in prompts]
     total = max(n + sampling.max_new_tokens for n in lengths)
     stop = set(sampling.stop)
     completions: list[list[int]] = [[] for _ in prompts]
+    logps: list[list[float]] = [[] for _ in prompts]
     done = [False] * rows
+    columns: list[torch.Tensor] = []  # routing of each call: [n, rows, layers, topk]
+    record = routing_replay.recording(chunks) if routing else contextlib.nullcontext()
 
-    with next_token_logits(strategy, chunks, cfg, rows, total, sampling.cuda_graphs, inputs) as forward:
+    with record as recorder, next_token_logits(strategy, chunks, cfg, rows, total,
+                                               sampling.cuda_graphs, inputs) as forward:
+
+        def step(column: torch.Tensor) -> torch.Tensor:
+            logits = forward(column)
+            if routing:
+                columns.append(_call_routing(recorder.take(), column.shape[1], rows))
+            return logits
+
         position = min(lengths)
-        logits = forward(torch.tensor([p[:position] for p in prompts]))
+        logits = step(torch.tensor([p[:position] for p in prompts]))
         while True:
-            chosen = choose_tokens(logits, sampling, _uniforms(sampling.seed, position, groups)).tolist()
+            chosen = choose_tokens(logits, sampling, _uniforms(sampling.seed, position, groups))
+            chosen_logp = torch.log_softmax(logits.detach().double(), -1).gather(
+                -1, chosen.to(logits.device)[:, None])[:, 0].tolist()
+            chosen = chosen.tolist()
             column = []
             for i, prompt in enumerate(prompts):
                 if position < lengths[i]:
@@ -161,9 +214,27 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
                 token = chosen[i]
                 if not done[i]:
                     completions[i].append(token)
+                    logps[i].append(chosen_logp[i])
                     done[i] = token in stop or len(completions[i]) == sampling.max_new_tokens
                 column.append(token)
             if all(done):
-                return completions
-            logits = forward(torch.tensor(column).unsqueeze(1))
+                break
+            logits = step(torch.tensor(column).unsqueeze(1))
             position += 1
+    if not routing:
+        return Generated(completions, logps)
+    fed = torch.cat(columns)  # [positions, rows, layers, topk]
+    return Generated(completions, logps, [fed[: lengths[i] + len(completions[i]) - 1, i].cpu()
+                                          for i in range(rows)])
+
+
+def _call_routing(calls: list[list[torch.Tensor]], n: int, rows: int) -> torch.Tensor:
+    """[n, rows, layers, topk] from one cached forward call's records (one per router, tokens
+    s-major: column-by-column of the rows)."""
+    per_router = []
+    for records in calls:
+        (chosen,) = records  # one microbatch per cached call
+        per_router.append(chosen.reshape(n, rows, -1))
+    if not per_router:
+        raise ValueError("generate: no MoE router recorded its choices (a dense model has no routing)")
+    return torch.stack(per_router, dim=2)

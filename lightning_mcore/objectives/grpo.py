@@ -20,13 +20,21 @@ The reference (``beta`` > 0) is the LoRA base with adapters off, or a frozen cop
 starting weights sharded like the policy, as in DPO; its log-probs are taken once per rollout
 (``offload_reference``: the copy waits in CPU memory between those passes).
 ``train_on_rollout`` is the seam below generation: a given rollout, one optimizer step.
+
+The rollout keeps what generation saw: each sampled token's log-prob, and on MoE models every
+layer's choice of experts for each position (model/routing_replay.py). Every step logs how far
+the training forward is from it (``train/rollout_logp_diff``, ``train/rollout_kl``, and on MoE
+``train/routing_mismatch``: the fraction of (token, MoE layer) pairs whose experts differ, with
+replay off); ``correction`` can replay the routing (R3) and weight tokens by truncated importance
+sampling.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -34,10 +42,12 @@ import torch.distributed as dist
 from lightning_mcore import rewards as reward_lib
 from lightning_mcore.data.packing import build_row
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model import routing_replay
 from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives import grpo_loss
 from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.model.kv_cache import cache_unavailable
 from lightning_mcore.objectives.frozen import ADAPTERS_OFF, FrozenModel, nothing_to_offload
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 from lightning_mcore.strategy.parallel import LayoutError
@@ -60,6 +70,25 @@ class GRPOSampling:
 
 
 @dataclass
+class RolloutCorrection:
+    """How training treats the gap between the policy that generated a rollout and the forward
+    pass that trains on it. `routing_replay`: "r3" (MoE models): every forward pass on the
+    rollout routes each token to the experts it was routed to while generating; "off": the
+    routers choose again. `tis_cap` > 0: token-level truncated importance sampling, each token's
+    policy loss weighted by min(pi_old / pi_rollout, tis_cap) (for rollouts sampled in another
+    precision or engine); 0: off."""
+
+    routing_replay: Literal["off", "r3"] = "off"
+    tis_cap: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.routing_replay not in ("off", "r3"):
+            raise ValueError(f"correction.routing_replay must be 'off' or 'r3', got {self.routing_replay!r}")
+        if not self.tis_cap >= 0:
+            raise ValueError(f"correction.tis_cap must be >= 0 (0: off), got {self.tis_cap!r}")
+
+
+@dataclass
 class Rollout:
     """One rank's rollout: completion `i` continues `prompt_ids[i]`; completions of a prompt are
     consecutive, `num_generations` of them. `rewards` [N] is the weighted total, `per_function`
@@ -69,6 +98,10 @@ class Rollout:
     completion_ids: list[list[int]]
     rewards: torch.Tensor
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)
+    # what generation saw (None for a rollout given from elsewhere): each completion token's
+    # log-prob, and on MoE models [len(prompt) + len(completion) - 1, layers, topk] experts
+    sampled_logps: Optional[list[list[float]]] = None
+    routing: Optional[list[torch.Tensor]] = None
     old_logps: Optional[torch.Tensor] = None
     ref_logps: Optional[torch.Tensor] = None
     steps: int = 0  # optimizer steps taken on it
@@ -82,7 +115,8 @@ class GRPOModule(MegatronModule):
     `loss_normalization` "token" (DAPO) or "sequence" (GRPO); `scale_advantages` (False: Dr.
     GRPO's advantages, not divided by the group's std); `num_iterations` optimizer steps per
     rollout; `offload_reference` (GPU only): the frozen reference (beta > 0, no LoRA) waits in
-    CPU memory and comes to the GPU for its forward pass, once per rollout."""
+    CPU memory and comes to the GPU for its forward pass, once per rollout; `correction`:
+    routing replay and truncated importance sampling (RolloutCorrection)."""
 
     packed_sequences = True
 
@@ -104,8 +138,19 @@ class GRPOModule(MegatronModule):
         scale_advantages: bool = True,
         num_iterations: int = 1,
         offload_reference: bool = False,
+        correction: Optional[RolloutCorrection] = None,
     ) -> None:
         super().__init__(model, optim, model_overrides, lora)
+        self.correction = correction or RolloutCorrection()
+        if self.model_config.num_moe_experts:  # routers that record (mismatch) and replay
+            self.model_config = replace(self.model_config, moe_routing_replay=True)
+        elif self.correction.routing_replay != "off":
+            raise ValueError("correction.routing_replay='r3' replays the experts of MoE layers; this "
+                             "model has none: use routing_replay: off")
+        if self.correction.routing_replay != "off" and self.model_config.recompute_granularity:
+            raise ValueError(f"correction.routing_replay='r3' with recompute_granularity="
+                             f"{self.model_config.recompute_granularity!r} is not supported yet (the "
+                             "recomputed forward would route anew): turn recompute off")
         if isinstance(reward_funcs, (str, bytes)) or callable(reward_funcs):
             reward_funcs = [reward_funcs]
         if not reward_funcs:
@@ -146,6 +191,7 @@ class GRPOModule(MegatronModule):
         self.loss_normalization, self.scale_advantages = loss_normalization, scale_advantages
         self.num_iterations, self.offload_reference = num_iterations, offload_reference
         self._reference: Optional[FrozenModel] = None  # beta > 0, no LoRA: the starting weights
+        self._routing_counts: Optional[torch.Tensor] = None  # (differing, all) this step, or None
         self._rollout: Optional[Rollout] = None
 
     # ------------------------------------------------------------ checks before launch
@@ -154,6 +200,12 @@ class GRPOModule(MegatronModule):
         before any process starts)."""
         rows = strategy.data_parallel_batch_size
         dp = strategy.data_parallel_size
+        why = cache_unavailable(strategy, self.model_config) if self.model_config.num_moe_experts else ""
+        if why and self.correction.routing_replay != "off":
+            raise LayoutError(
+                f"correction.routing_replay='r3' records the experts while generating, which needs "
+                f"the KV cache, unavailable with {why}: use routing_replay: off at this layout",
+                options=("sequence_parallel",))
         if rows % self.num_generations:
             raise LayoutError(
                 f"global_batch_size={strategy.batch.global_batch_size} gives each of the {dp} "
@@ -202,7 +254,7 @@ class GRPOModule(MegatronModule):
         """Generate `num_generations` completions for each prompt of `batch` with the current
         policy and score them (collective: every rank of a model-parallel group holds the same
         prompts and gets the same completions)."""
-        from lightning_mcore.model.generation import SamplingSettings, generate_batch
+        from lightning_mcore.model.generation import SamplingSettings, generate_traced
 
         strategy = self._strategy()
         prompt_ids = [list(p) for p in batch["prompt_ids"] for _ in range(self.num_generations)]
@@ -213,13 +265,23 @@ class GRPOModule(MegatronModule):
         # GRPOSampling is SamplingSettings without the length: every other field passes through
         settings = SamplingSettings(**{**asdict(s), "stop": stop, "seed": s.seed + self.trainer.global_step},
                                     max_new_tokens=self.max_completion_length)
-        completions = generate_batch(strategy, list(self.chunks), prompt_ids, self.model_config, settings)
+        generated = generate_traced(strategy, list(self.chunks), prompt_ids, self.model_config, settings,
+                                    routing=self._records_routing())
+        completions = generated.completions
         tokenizer = self.trainer.datamodule.tokenizer
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         columns = {k: [v for v in values for _ in range(self.num_generations)]
                    for k, values in batch.items() if k not in ("prompt_ids", "prompt")}
         prompts = [p for p in batch["prompt"] for _ in range(self.num_generations)]
-        return self.score_rollout(prompt_ids, completions, prompts, texts, columns)
+        rollout = self.score_rollout(prompt_ids, completions, prompts, texts, columns)
+        rollout.sampled_logps, rollout.routing = generated.logps, generated.routing
+        return rollout
+
+    def _records_routing(self) -> bool:
+        """MoE models record the experts while generating, unless the cache is unavailable at
+        this layout (then replay is refused before launch, and the mismatch is not measured)."""
+        return bool(self.model_config.num_moe_experts) and not cache_unavailable(
+            self._strategy(), self.model_config)
 
     def score_rollout(self, prompt_ids, completion_ids, prompts: list, completions: list[str],
                       columns: dict) -> Rollout:
@@ -251,9 +313,26 @@ class GRPOModule(MegatronModule):
             ids = list(prompt) + completion
             rows.append(build_row([(ids, [0] * len(prompt) + [1] * len(completion))], seq, 0))
         batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        if rollout.sampled_logps is not None:
+            batch["rollout_logps"] = self._rollout_logps(rollout, seq)
+        if rollout.routing is not None:
+            batch["routing"], batch["routing_fed"] = _routing_rows(
+                rollout.routing, seq, self.model_config.moe_router_topk)
         batch["advantages"] = grpo_loss.group_advantages(
             rollout.rewards, self.num_generations, self.scale_advantages).float()
         return batch
+
+    @staticmethod
+    def _rollout_logps(rollout: Rollout, seq: int) -> torch.Tensor:
+        """[N, seq]: completion token j's sampled log-prob where the row's loss sees it (the
+        position before it, P - 1 + j), zeros elsewhere."""
+        out = torch.zeros(len(rollout.prompt_ids), seq)
+        for i, (prompt, logps) in enumerate(zip(rollout.prompt_ids, rollout.sampled_logps)):
+            if len(logps) != len(rollout.completion_ids[i]):
+                raise ValueError(f"completion {i}: {len(logps)} sampled log-probs for "
+                                 f"{len(rollout.completion_ids[i])} tokens")
+            out[i, len(prompt) - 1:len(prompt) - 1 + len(logps)] = torch.tensor(logps, dtype=torch.float64)
+        return out
 
     def train_on_rollout(self, rollout: Rollout):
         """One optimizer step on `rollout` (the old and reference log-probs taken first if this
@@ -268,18 +347,40 @@ class GRPOModule(MegatronModule):
                 batch[name] = getattr(rollout, name)
         if rollout.steps == 0:
             self._log_rollout(rollout, batch)
+        # the routers' mismatch is measured on the rollout's first step (later steps drift by design)
+        self._routing_counts = (torch.zeros(2, dtype=torch.float64)
+                                if rollout.steps == 0 and "routing" in batch and self._replay_off else None)
         rollout.steps += 1
-        return super().training_step(batch, 0)
+        loss = super().training_step(batch, 0)
+        if self._routing_counts is not None:
+            self._log_routing_mismatch(self._routing_counts)
+        return loss
+
+    @property
+    def _replay_off(self) -> bool:
+        return self.correction.routing_replay == "off"
+
+    def _log_routing_mismatch(self, counts: torch.Tensor) -> None:
+        """Fraction of (token, MoE layer) pairs routed elsewhere than in the rollout, over all
+        ranks (stages hold other layers, data-parallel ranks other rows)."""
+        if dist.is_initialized():
+            counts = counts.to(self._strategy().root_device)
+            dist.all_reduce(counts)
+        differ, total = counts.tolist()
+        self.log("train/routing_mismatch", differ / max(total, 1.0), batch_size=1)
 
     def _token_logps(self, batch: dict, reference: bool) -> torch.Tensor:
         """[rows, seq] log-prob of each row's next token, by the policy or the reference."""
         seq = batch["tokens"].shape[1]
 
         def step(mb, chunk):
-            return forward_packed(chunk, mb), lambda out: -out.float().reshape(-1, seq)
+            with self._routed(mb, chunk, replay=not reference):
+                out = forward_packed(chunk, mb)
+            return out, lambda out: -out.float().reshape(-1, seq)
 
         strategy = self._strategy()
-        inputs = {k: batch[k] for k in ("tokens", "labels", "position_ids", "segment_ids")}
+        inputs = {k: batch[k] for k in ("tokens", "labels", "position_ids", "segment_ids", "routing")
+                  if k in batch}
         if reference and self.lora is not None:
             with adapters_disabled(list(self.chunks)):
                 return strategy.forward_collect(inputs, step, seq, packed=True)
@@ -288,23 +389,60 @@ class GRPOModule(MegatronModule):
         return self._reference.forward_collect(strategy, inputs, step, seq, packed=True)
 
     # ------------------------------------------------------------ loss
+    def _routed(self, mb: dict, chunk, replay: bool):
+        """Around one forward pass of `chunk` on a rollout's microbatch: replay its routing (R3),
+        or record the routers' choices to count how many differ from it (replay off, the
+        rollout's first step); nothing for rows without routing or for the reference."""
+        routing = mb.get("routing")
+        if routing is None or not replay:
+            return contextlib.nullcontext()
+        routers = routing_replay.moe_routers(self.chunks)
+        flat = routing.reshape(-1, *routing.shape[2:])
+        sp = self._strategy().parallel.sequence_parallel
+        if not self._replay_off:
+            return routing_replay.replaying(chunk, routers, flat, sp)
+        if getattr(self, "_routing_counts", None) is None:
+            return contextlib.nullcontext()
+        return self._counting(chunk, routers, flat, sp, mb["routing_fed"])
+
+    @contextlib.contextmanager
+    def _counting(self, chunk, routers, flat: torch.Tensor, sp: bool, fed: torch.Tensor):
+        """Record the chunk's routers in one forward pass, count the positions fed while
+        generating whose experts differ from the rollout's."""
+        with routing_replay.recording_chunk(chunk, routers) as chosen:
+            yield
+        local = routing_replay.local_tokens(flat, sp)
+        where = routing_replay.local_tokens(fed.reshape(-1), sp)
+        for column, got in chosen.items():
+            differ = routing_replay.differing(got, local[:, column])[where.to(got.device)]
+            self._routing_counts += torch.tensor([float(differ.sum()), float(differ.numel())],
+                                                 dtype=torch.float64)
+
     def forward_step(self, batch: dict, chunk):
-        out = forward_packed(chunk, batch)
+        with self._routed(batch, chunk, replay=True):
+            out = forward_packed(chunk, batch)
 
         def loss_fn(token_losses):
             rows, seq = batch["loss_mask"].shape
             logp = -token_losses.float().reshape(rows, seq)
             old = batch.get("old_logps")
             old = logp.detach() if old is None else old
-            terms = grpo_loss.token_terms(logp, old, batch["advantages"], self.epsilon_low,
-                                          self.epsilon_high, self.beta, batch.get("ref_logps"))
             mask = batch["loss_mask"]
+            sampled = batch.get("rollout_logps")
+            weights = None
+            if sampled is not None and self.correction.tis_cap > 0:
+                weights = grpo_loss.tis_weights(old, sampled, self.correction.tis_cap)
+            terms = grpo_loss.token_terms(logp, old, batch["advantages"], self.epsilon_low,
+                                          self.epsilon_high, self.beta, batch.get("ref_logps"), weights)
             total, count = grpo_loss.normalized(terms.loss, mask, self.loss_normalization)
             tokens = mask.sum()
             report = {"loss": torch.stack([total.detach(), count.detach()])}
             for name, values in (("clip_fraction", terms.clipped), ("kl", terms.kl),
                                  ("entropy", -logp.detach())):
                 report[name] = torch.stack([(values.detach() * mask).sum(), tokens])
+            if sampled is not None:
+                for name, (value, n) in grpo_loss.rollout_mismatch(old, sampled, mask).items():
+                    report[name] = torch.stack([value, n])
             return total, count.to(torch.int), report
 
         return out, loss_fn
@@ -332,3 +470,17 @@ class GRPOModule(MegatronModule):
                 summary["max" if name == "completion_length" else "std"]
         self.log_dict(stats, batch_size=1)
         self.last_rollout_stats = stats
+
+
+def _routing_rows(routing: list[torch.Tensor], seq: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, seq, layers, topk] experts per row position: the rollout's where a position was fed
+    while generating; elsewhere (the last token, padding: positions whose output no loss reads)
+    experts 0..topk-1. And [N, seq] bool: where the rollout's."""
+    layers = next((r.shape[1] for r in routing if r.numel()), 0)
+    out = torch.arange(topk).expand(len(routing), seq, layers, topk).clone()
+    fed = torch.zeros(len(routing), seq, dtype=torch.bool)
+    for i, chosen in enumerate(routing):
+        if chosen.numel():
+            out[i, :chosen.shape[0]] = chosen
+            fed[i, :chosen.shape[0]] = True
+    return out, fed

@@ -5,6 +5,12 @@
     loss_t  = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
               + beta (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)   (k3 estimate of KL, beta > 0)
 
+With truncated importance sampling (tis_cap > 0), the policy term of each token is weighted by
+    w_t     = min(exp(old_t - rollout_t), tis_cap)    (detached; rollout_t: the sampler's log-prob)
+and the gap between the rollout's policy and the trained one is measured on the completion tokens
+(`rollout_mismatch`): mean |old_t - rollout_t| and the k3 estimate of KL(rollout || old),
+exp(d) - d - 1 with d = old_t - rollout_t.
+
 Normalization of the per-token losses over the completion tokens of the global batch:
 "token" (DAPO): sum over all tokens / number of tokens; "sequence" (GRPO): each completion's
 mean over its tokens, then the mean over completions. Both come back as (sum, count) pairs, the
@@ -48,13 +54,17 @@ class TokenTerms:
 
 def token_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 epsilon_low: float, epsilon_high: float, beta: float = 0.0,
-                ref_logp: Optional[torch.Tensor] = None) -> TokenTerms:
+                ref_logp: Optional[torch.Tensor] = None,
+                weights: Optional[torch.Tensor] = None) -> TokenTerms:
     """The clipped-ratio loss of every token: `logp`, `old_logp`, `ref_logp` [rows, seq] (the
-    policy being trained, the one that sampled, the reference), `advantages` [rows]."""
+    policy being trained, the one that sampled, the reference), `advantages` [rows]; `weights`
+    [rows, seq] (truncated importance sampling) multiply the policy term, not the KL."""
     adv = advantages[:, None].to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     loss = -torch.min(ratio * adv, clipped_ratio * adv)
+    if weights is not None:
+        loss = loss * weights
     clipped = ((ratio < 1.0 - epsilon_low) & (adv < 0)) | ((ratio > 1.0 + epsilon_high) & (adv > 0))
     kl = torch.zeros_like(logp)
     if beta > 0:
@@ -86,3 +96,19 @@ def sequence_stats(values: torch.Tensor) -> dict[str, float]:
     values = values.double()
     return {"mean": float(values.mean()), "std": float(values.std(unbiased=False)),
             "max": float(values.max())}
+
+
+def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Token-level truncated importance weights min(pi_old / pi_rollout, cap), detached."""
+    return torch.exp(old_logp.detach() - rollout_logp).clamp(max=cap)
+
+
+def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(sum, count) over the `mask`ed tokens of |old - rollout| ("rollout_logp_diff") and of the
+    k3 estimate of KL(rollout || old) ("rollout_kl"), the rollout's samples being the draws."""
+    mask = mask.to(old_logp.dtype)
+    delta = (old_logp.detach() - rollout_logp) * mask
+    tokens = mask.sum()
+    return {"rollout_logp_diff": (delta.abs().sum(), tokens),
+            "rollout_kl": (((torch.exp(delta) - delta - 1.0) * mask).sum(), tokens)}

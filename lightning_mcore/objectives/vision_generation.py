@@ -56,4 +56,4 @@ def generate_vision_language(strategy, chunks, cfg, prompts: list[dict],
     positions = torch.stack([continued_positions(ids, grids, total, image, merge) for ids, _, grids in parts], dim=1)
     inputs = VisionColumns(parts, positions, image)
     # one stream of numbers per row: a row draws alike whatever else is in the batch
-    return generate_columns(strategy, chunks, sequences, cfg, sampling, [1] * len(prompts), inputs)
+    return generate_columns(strategy, chunks, sequences, cfg, sampling, [1] * len(prompts), inputs).completions
