@@ -11,6 +11,7 @@ from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill import DistillModule, DistillSettings
 from lightning_mcore.objectives.dpo import DPOModule
 from lightning_mcore.objectives.grpo import GRPOModule, GRPOSampling, RolloutCorrection
+from lightning_mcore.objectives.grpo_variants import DynamicSampling, OverlongShaping
 from lightning_mcore.objectives.kto import KTOModule
 from lightning_mcore.objectives.pretrain import PretrainModule
 from lightning_mcore.objectives.reward import RewardModule
@@ -27,6 +28,7 @@ __all__ = [
     "DistillModule",
     "DistillSettings",
     "DPOModule",
+    "DynamicSampling",
     "Freezing",
     "GPTConfig",
     "GRPOModule",
@@ -38,6 +40,7 @@ __all__ = [
     "MegatronModule",
     "MegatronStrategy",
     "MegatronThroughput",
+    "OverlongShaping",
     "OptimizerSettings",
     "ParallelConfig",
     "PretrainModule",

@@ -1,6 +1,6 @@
 """Acceptance (generation, issue 21 part 1): KV-cache greedy generation equals no-cache greedy
 decoding (the whole sequence re-run each step) token for token at TP=1, TP=2, PP=2 and for a
-Qwen3-MoE at EP=2, with prompts of different lengths in one batch, and equals transformers'
+Qwen3-MoE at EP=2 and TP=2+SP, with prompts of different lengths in one batch, and equals transformers'
 own greedy `generate`; seeded sampling is reproducible and the same at TP=1 and TP=2; stop
 tokens end a completion; too-long requests are refused."""
 
@@ -152,11 +152,12 @@ def test_kv_cache_generation_matches_no_cache_for_moe_at_ep2_and_tp2_sp(tmp_path
     hf = make_hf_model("qwen3_moe", source, num_hidden_layers=2)  # both MoE: each EP=2 layer costs all-to-alls
     want = hf_greedy(hf)
     for name, parallel in (("ep2", dict(expert_model_parallel_size=2)),
-                           # MoE under sequence parallelism: no cache (the recompute path)
+                           # the cache with sequence parallelism switched off, MoE layers included
                            ("tp2_sp", dict(tensor_model_parallel_size=2, sequence_parallel=True))):
         got = run(tmp_path, str(source), 2, name, **parallel)
         check_one_layout(got)
         assert got["greedy"] == want, name
+    assert got["sequence_parallel_after"] == [True]  # switched back on after generating
 
 
 def test_sampling_keeps_to_top_k_and_top_p():

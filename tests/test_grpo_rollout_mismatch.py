@@ -1,5 +1,5 @@
-"""Acceptance (issue 46, parts 2 and 3): GRPO on a Qwen3-MoE at EP=2, fp32 on CPU, generating its
-own rollouts. Generation keeps each sampled token's log-prob and every MoE layer's experts;
+"""Acceptance (issue 46, parts 2 and 3): GRPO on a Qwen3-MoE at EP=2 (and TP=2+SP), fp32 on CPU,
+generating its own rollouts. Generation keeps each sampled token's log-prob and every MoE layer's experts;
 
 - with routing replay (R3) the training forward's per-token log-probs equal the rollout's
   (1e-6), and replaying other experts changes them (the replay is what decides);
@@ -77,7 +77,7 @@ class Metrics(L.Callback):
             pl_module.out.write_text(json.dumps({"metrics": got, "gaps": pl_module.gaps}))
 
 
-def run(tmp_path, name: str, nudge: float, replay: str = "off") -> dict:
+def run(tmp_path, name: str, nudge: float, replay: str = "off", **parallel) -> dict:
     from lightning_mcore.data import PromptDataModule
 
     source = tmp_path / "qwen3_moe"
@@ -87,8 +87,9 @@ def run(tmp_path, name: str, nudge: float, replay: str = "off") -> dict:
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=1, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Metrics()],
-        strategy=MegatronStrategy(expert_model_parallel_size=2, global_batch_size=2 * G,
-                                  micro_batch_size=G, start_method="fork"),
+        strategy=MegatronStrategy(**(parallel or dict(expert_model_parallel_size=2)),
+                                  global_batch_size=(1 if parallel else 2) * G, micro_batch_size=G,
+                                  start_method="fork"),
     )
     module = Probed(str(source), OptimizerSettings(lr=1e-3), model_overrides={"seq_length": 64},
                     num_generations=G, max_completion_length=8, sampling=GRPOSampling(seed=3),
@@ -150,17 +151,15 @@ def test_correction_settings_are_checked():
         GRPOModule(TOKENIZER, correction=RolloutCorrection(routing_replay="r3"))
 
 
-def test_replay_is_refused_where_generation_has_no_cache(tmp_path):
-    """MoE under sequence parallelism generates without the KV cache (no routing to record):
-    refused by MegatronStrategy.validate_module, before any process starts."""
-    from lightning_mcore import LayoutError
-
-    source = tmp_path / "qwen3_moe"
-    make_hf_model("qwen3_moe", source, num_hidden_layers=2, vocab_size=512)
-    module = GRPOModule(str(source), num_generations=G, max_completion_length=8,
-                        model_overrides={"seq_length": 96}, correction=RolloutCorrection(routing_replay="r3"))
-    strategy = MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True,
-                                global_batch_size=2 * G, micro_batch_size=G)
-    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)  # no process starts
-    with pytest.raises(LayoutError, match="needs the KV cache, unavailable with sequence parallelism"):
-        strategy.validate_module(module)
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", [dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                                      dict(pipeline_model_parallel_size=2)], ids=["tp2_sp", "pp2"])
+def test_routing_replay_at_other_layouts(parallel, tmp_path):
+    """TP=2+SP: generation runs with SP switched off (each rank routes all tokens), training with
+    it on (each rank routes its half of the packed row): replay gives each rank its half. PP=2:
+    each stage records and replays its own MoE layer."""
+    got = run(tmp_path, "layout", nudge=0.0, **parallel)
+    gaps, metrics = got["gaps"], got["metrics"]
+    assert gaps["r3"] <= 1e-6 and gaps["off"] <= 1e-6 and gaps["r3_other"] > 1e-2, gaps
+    assert gaps["routing_shape"][2] == (1 if "pipeline_model_parallel_size" in parallel else 2), gaps
+    assert metrics["train/routing_mismatch"] == 0.0, metrics

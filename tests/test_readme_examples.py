@@ -1,6 +1,6 @@
 """The README's other runnable examples, verbatim from README.md, in a fresh directory with a copy
 of configs/: the Python example at its top, the SFT and DPO commands, the reward, KTO and
-distillation commands, and the GRPO command. (The quickstart, the
+distillation commands, and the GRPO commands. (The quickstart, the
 LoRA fine-tune and the multi-node commands have tests of their own.) Each run must train: its
 logged loss falls (DPO: below log 2, where every pair starts)."""
 
@@ -59,7 +59,7 @@ def test_readme_objective_commands_train(name, tmp_path):
 def test_readme_grpo_command_runs(tmp_path):
     """The GRPO command: rollouts are generated, scored and trained on every step, and the
     metrics the README lists are logged."""
-    (argv,) = commands(section("GRPO, and generation with a KV cache"))
+    (argv,) = [a for a in commands(section("GRPO, and generation with a KV cache")) if "configs/grpo.yaml" in a]
     work = user_dir(tmp_path)
     run(argv, work)
     assert (work / "runs" / "grpo" / "checkpoints" / "last.ckpt" / "common.pt").is_file()
@@ -68,6 +68,22 @@ def test_readme_grpo_command_runs(tmp_path):
         values = logged(work / "runs" / "grpo", key)
         assert len(values) >= 10 and all(math.isfinite(v) for v in values), (key, values)
     assert min(logged(work / "runs" / "grpo", "train/completion_length")) > 0
+
+
+def test_readme_moe_grpo_command_runs(tmp_path):
+    """The MoE GRPO command (EP=2, routing replay, GSPO, DAPO's overlong penalty and dynamic
+    sampling): under replay the training forward's log-probs are the rollout's (fp32), no routing
+    mismatch is counted, and the overlong penalty and dynamic sampling log their numbers."""
+    (argv,) = [a for a in commands(section("GRPO, and generation with a KV cache")) if "configs/grpo_moe.yaml" in a]
+    work = user_dir(tmp_path)
+    run(argv, work)
+    runs = work / "runs" / "grpo_moe"
+    assert (runs / "checkpoints" / "last.ckpt" / "common.pt").is_file()
+    diffs = logged(runs, "train/rollout_logp_diff")
+    assert len(diffs) == 4 and max(diffs) < 1e-5, diffs
+    assert not logged(runs, "train/routing_mismatch")  # nothing to count under replay
+    assert all(-1.0 <= p <= 0.0 for p in logged(runs, "train/rewards/overlong"))
+    assert all(1 <= r <= 2 for r in logged(runs, "train/dynamic_sampling_rounds"))
 
 
 def test_readme_python_example_trains(tmp_path):

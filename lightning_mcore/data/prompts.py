@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional, Union
 
+import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import DataLoader, Dataset
 
@@ -204,6 +205,17 @@ class PromptDataModule(DataParallelDataModule):
         return _SeatedLoader(self.train_dataset, batch_size=batch_size, sampler=sampler,
                              num_workers=self.hparams.num_workers, collate_fn=collate_prompts,
                              position=self._consumed_samples)
+
+    def sample_prompts(self, count: int, seed: int) -> dict[str, list]:
+        """`count` prompts drawn at random (with replacement) from the training prompts, as a
+        batch: DAPO's dynamic sampling refills with them. The same draw for the same `seed` on
+        the ranks of one model-parallel group, another on each data-parallel rank."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        rank = _layout(self.trainer, type(self).__name__)[0]
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + rank) % 2**63)
+        picks = torch.randint(len(self.train_dataset), (count,), generator=gen).tolist()
+        return collate_prompts([self.train_dataset[i] for i in picks])
 
     def val_dataloader(self) -> list:
         return []

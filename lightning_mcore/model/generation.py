@@ -118,18 +118,12 @@ class Generated:
 def generate_traced(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
                     routing: bool = False) -> Generated:
     """generate_batch, with each new token's log-prob and, with `routing`, every MoE layer's
-    choice of experts for every position fed (model/routing_replay.py; the KV cache is needed,
-    and decode CUDA graphs are skipped: a replayed graph calls no Python)."""
+    choice of experts for every position fed (model/routing_replay.py; decode CUDA graphs are
+    skipped: a replayed graph calls no Python)."""
     refuse_too_long(prompts, sampling.max_new_tokens, cfg.seq_length)
     strategy = strategy() if callable(strategy) else strategy
     strategy.refuse_context_parallel("generate")
     if routing:
-        from lightning_mcore.model.kv_cache import cache_unavailable
-
-        why = cache_unavailable(strategy, cfg)
-        if why:
-            raise ValueError(f"generate: recording the experts' routing needs the KV cache, which is "
-                             f"unavailable with {why}")
         sampling = replace(sampling, cuda_graphs=False)
     shared = _expert_parallel_share(prompts, cfg)
     if shared is not None:  # every data-parallel rank generates all ranks' prompts

@@ -11,8 +11,8 @@ chunk, all advanced together.
 What a step feeds the model is `TokenColumns` (token ids at consecutive positions) unless the
 caller gives its own (model/vision_columns.py: image embeddings and M-RoPE positions).
 
-`RecomputeForward` has no cache: each call re-runs the whole rows (forward_logits). It serves
-models and layouts where the cache is not available (see cache_unavailable).
+Under sequence parallelism the chunks run with it switched off while generating, MoE layers
+included (tests/test_generation.py: greedy equals transformers' at TP=2+SP for a Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ import contextlib
 import torch
 
 from lightning_mcore.model import reproducible_attention
-from lightning_mcore.model.inference import forward_logits
-
-
-def cache_unavailable(strategy, cfg) -> str:
-    """Why the KV cache is not used for this model at this layout ("" when it is)."""
-    if strategy.parallel.sequence_parallel and cfg.num_moe_experts:
-        return "sequence parallelism with MoE layers"  # not checked with SP switched off
-    return ""
 
 
 class TokenColumns:
@@ -48,30 +40,23 @@ class TokenColumns:
 @contextlib.contextmanager
 def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool = False,
                       inputs=None):
-    """A CachedForward (or a RecomputeForward where the cache is unavailable), with the chunks
-    in eval mode (mcore reads the inference context only there; no dropout) and, for the
-    cache, sequence parallelism off (as mcore's own engine does: a one-token step cannot be
-    split over tensor-parallel ranks); both restored after. `cuda_graphs`: decode steps replay
-    kept CUDA graphs where model/decode_graphs.py can (else eager). `inputs`: what each step
-    feeds the model (default TokenColumns; another needs the cache, and runs without graphs)."""
+    """A CachedForward, with the chunks in eval mode (mcore reads the inference context only
+    there; no dropout) and sequence parallelism off (as mcore's own engine does: a one-token
+    step cannot be split over tensor-parallel ranks); both restored after. `cuda_graphs`: decode
+    steps replay kept CUDA graphs where model/decode_graphs.py can (else eager). `inputs`: what
+    each step feeds the model (default TokenColumns; another runs without graphs)."""
     from megatron.core.transformer.utils import set_model_to_sequence_parallel
     from megatron.core.utils import unwrap_model
 
     training = [c.training for c in chunks]
-    cached = not cache_unavailable(strategy, cfg)
-    sequence_parallel = cached and strategy.parallel.sequence_parallel
+    sequence_parallel = strategy.parallel.sequence_parallel
     try:
         for c in chunks:
             c.eval()
             if sequence_parallel:
                 set_model_to_sequence_parallel(unwrap_model(c), False)
-        if cached:
-            yield CachedForward(strategy, chunks, cfg, rows, max_length, cuda_graphs and inputs is None,
-                                inputs or TokenColumns())
-        elif inputs is not None:
-            raise ValueError(f"generate: the KV cache is unavailable ({cache_unavailable(strategy, cfg)}).")
-        else:
-            yield RecomputeForward(strategy, chunks, cfg)
+        yield CachedForward(strategy, chunks, cfg, rows, max_length, cuda_graphs and inputs is None,
+                            inputs or TokenColumns())
     finally:
         for c, mode in zip(chunks, training):
             c.train(mode)
@@ -171,13 +156,3 @@ def _inference_mode():
     from megatron.core.inference.utils import InferenceMode
 
     return InferenceMode.active()
-
-
-class RecomputeForward:
-    def __init__(self, strategy, chunks, cfg) -> None:
-        self.strategy, self.chunks, self.cfg = strategy, chunks, cfg
-        self.tokens = None
-
-    def __call__(self, columns: torch.Tensor) -> torch.Tensor:
-        self.tokens = columns if self.tokens is None else torch.cat([self.tokens, columns], dim=1)
-        return forward_logits(self.strategy, self.chunks, self.tokens, self.cfg)[:, -1]

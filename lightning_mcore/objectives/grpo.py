@@ -47,8 +47,9 @@ from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives import grpo_loss
 from lightning_mcore.objectives.base import MegatronModule
-from lightning_mcore.model.kv_cache import cache_unavailable
 from lightning_mcore.objectives.frozen import ADAPTERS_OFF, FrozenModel, nothing_to_offload
+from lightning_mcore.objectives.grpo_variants import DynamicSampling, OverlongShaping, fill_with_varied_groups
+from lightning_mcore.objectives.rollout import Rollout
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 from lightning_mcore.strategy.parallel import LayoutError
 
@@ -88,25 +89,6 @@ class RolloutCorrection:
             raise ValueError(f"correction.tis_cap must be >= 0 (0: off), got {self.tis_cap!r}")
 
 
-@dataclass
-class Rollout:
-    """One rank's rollout: completion `i` continues `prompt_ids[i]`; completions of a prompt are
-    consecutive, `num_generations` of them. `rewards` [N] is the weighted total, `per_function`
-    each function's [N] scores (for logs). The log-probs are filled in on first use."""
-
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    rewards: torch.Tensor
-    per_function: dict[str, torch.Tensor] = field(default_factory=dict)
-    # what generation saw (None for a rollout given from elsewhere): each completion token's
-    # log-prob, and on MoE models [len(prompt) + len(completion) - 1, layers, topk] experts
-    sampled_logps: Optional[list[list[float]]] = None
-    routing: Optional[list[torch.Tensor]] = None
-    old_logps: Optional[torch.Tensor] = None
-    ref_logps: Optional[torch.Tensor] = None
-    steps: int = 0  # optimizer steps taken on it
-
-
 class GRPOModule(MegatronModule):
     """`reward_funcs`: import paths or callables, `reward_weights` (default 1 each);
     `num_generations` completions per prompt of at most `max_completion_length` tokens, sampled
@@ -116,7 +98,10 @@ class GRPOModule(MegatronModule):
     GRPO's advantages, not divided by the group's std); `num_iterations` optimizer steps per
     rollout; `offload_reference` (GPU only): the frozen reference (beta > 0, no LoRA) waits in
     CPU memory and comes to the GPU for its forward pass, once per rollout; `correction`:
-    routing replay and truncated importance sampling (RolloutCorrection)."""
+    routing replay and truncated importance sampling (RolloutCorrection); `importance_level`
+    "token" or "sequence" (GSPO: one clipped ratio per completion, Qwen's choice for MoE, with
+    epsilons of a few 1e-4); DAPO's `overlong` shaping and `dynamic_sampling`
+    (objectives/grpo_variants.py)."""
 
     packed_sequences = True
 
@@ -139,6 +124,9 @@ class GRPOModule(MegatronModule):
         num_iterations: int = 1,
         offload_reference: bool = False,
         correction: Optional[RolloutCorrection] = None,
+        importance_level: Literal["token", "sequence"] = "token",
+        overlong: Optional[OverlongShaping] = None,
+        dynamic_sampling: Optional[DynamicSampling] = None,
     ) -> None:
         super().__init__(model, optim, model_overrides, lora)
         self.correction = correction or RolloutCorrection()
@@ -180,6 +168,13 @@ class GRPOModule(MegatronModule):
         if loss_normalization not in grpo_loss.NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {grpo_loss.NORMALIZATIONS}, "
                              f"got {loss_normalization!r}")
+        if importance_level not in grpo_loss.IMPORTANCE_LEVELS:
+            raise ValueError(f"importance_level must be one of {grpo_loss.IMPORTANCE_LEVELS}, "
+                             f"got {importance_level!r}")
+        if overlong is not None and overlong.mode == "penalty" and overlong.buffer > max_completion_length:
+            raise ValueError(f"overlong.buffer={overlong.buffer} is longer than max_completion_length="
+                             f"{max_completion_length}: the penalty falls over the last buffer tokens "
+                             f"of the allowed length")
         if not isinstance(num_iterations, int) or num_iterations < 1:
             raise ValueError(f"num_iterations must be an int >= 1, got {num_iterations}")
         if offload_reference and (beta == 0 or lora is not None):
@@ -190,6 +185,7 @@ class GRPOModule(MegatronModule):
         self.beta, self.epsilon_low, self.epsilon_high = float(beta), epsilon_low, epsilon_high
         self.loss_normalization, self.scale_advantages = loss_normalization, scale_advantages
         self.num_iterations, self.offload_reference = num_iterations, offload_reference
+        self.importance_level, self.overlong, self.dynamic_sampling = importance_level, overlong, dynamic_sampling
         self._reference: Optional[FrozenModel] = None  # beta > 0, no LoRA: the starting weights
         self._routing_counts: Optional[torch.Tensor] = None  # (differing, all) this step, or None
         self._rollout: Optional[Rollout] = None
@@ -200,12 +196,6 @@ class GRPOModule(MegatronModule):
         before any process starts)."""
         rows = strategy.data_parallel_batch_size
         dp = strategy.data_parallel_size
-        why = cache_unavailable(strategy, self.model_config) if self.model_config.num_moe_experts else ""
-        if why and self.correction.routing_replay != "off":
-            raise LayoutError(
-                f"correction.routing_replay='r3' records the experts while generating, which needs "
-                f"the KV cache, unavailable with {why}: use routing_replay: off at this layout",
-                options=("sequence_parallel",))
         if rows % self.num_generations:
             raise LayoutError(
                 f"global_batch_size={strategy.batch.global_batch_size} gives each of the {dp} "
@@ -253,7 +243,37 @@ class GRPOModule(MegatronModule):
     def make_rollout(self, batch: dict) -> Rollout:
         """Generate `num_generations` completions for each prompt of `batch` with the current
         policy and score them (collective: every rank of a model-parallel group holds the same
-        prompts and gets the same completions)."""
+        prompts and gets the same completions); with dynamic sampling, refill groups of equal
+        rewards from more prompts."""
+        rollout = self.generate_rollout(batch)
+        if self.dynamic_sampling is None:
+            return rollout
+        data = self.trainer.datamodule
+        if not hasattr(data, "sample_prompts"):
+            raise ValueError(f"dynamic_sampling draws more prompts with the data module's sample_prompts; "
+                             f"{type(data).__name__} has none (PromptDataModule has)")
+        step = self.trainer.global_step
+
+        def more(round_: int) -> Rollout:
+            extra = data.sample_prompts(len(batch["prompt_ids"]), seed=step * 1_000 + round_)
+            return self.generate_rollout(extra, round_)
+
+        rollout, stats = fill_with_varied_groups(rollout, more, self.num_generations,
+                                                 self.dynamic_sampling.max_rounds, self._any_rank)
+        self.log_dict({f"train/{k}": v for k, v in stats.items()}, batch_size=1)
+        return rollout
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (collective)."""
+        if not dist.is_initialized():
+            return flag
+        value = torch.tensor([float(flag)], device=self._strategy().root_device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def generate_rollout(self, batch: dict, round_: int = 0) -> Rollout:
+        """`num_generations` completions of each prompt of `batch`, scored; `round_` > 0 (dynamic
+        sampling's extra generations) draws with another seed."""
         from lightning_mcore.model.generation import SamplingSettings, generate_traced
 
         strategy = self._strategy()
@@ -263,10 +283,11 @@ class GRPOModule(MegatronModule):
         s = self.sampling
         stop = sorted(set(s.stop) | set(getattr(self.trainer.datamodule, "stop_token_ids", None) or ()))
         # GRPOSampling is SamplingSettings without the length: every other field passes through
-        settings = SamplingSettings(**{**asdict(s), "stop": stop, "seed": s.seed + self.trainer.global_step},
+        seed = s.seed + self.trainer.global_step + round_ * 1_000_003
+        settings = SamplingSettings(**{**asdict(s), "stop": stop, "seed": seed},
                                     max_new_tokens=self.max_completion_length)
         generated = generate_traced(strategy, list(self.chunks), prompt_ids, self.model_config, settings,
-                                    routing=self._records_routing())
+                                    routing=bool(self.model_config.num_moe_experts))
         completions = generated.completions
         tokenizer = self.trainer.datamodule.tokenizer
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
@@ -275,17 +296,13 @@ class GRPOModule(MegatronModule):
         prompts = [p for p in batch["prompt"] for _ in range(self.num_generations)]
         rollout = self.score_rollout(prompt_ids, completions, prompts, texts, columns)
         rollout.sampled_logps, rollout.routing = generated.logps, generated.routing
+        rollout.truncated = [len(c) == self.max_completion_length and c[-1] not in stop for c in completions]
         return rollout
-
-    def _records_routing(self) -> bool:
-        """MoE models record the experts while generating, unless the cache is unavailable at
-        this layout (then replay is refused before launch, and the mismatch is not measured)."""
-        return bool(self.model_config.num_moe_experts) and not cache_unavailable(
-            self._strategy(), self.model_config)
 
     def score_rollout(self, prompt_ids, completion_ids, prompts: list, completions: list[str],
                       columns: dict) -> Rollout:
-        """A Rollout of the given completions, scored by the reward functions (weighted sum)."""
+        """A Rollout of the given completions, scored by the reward functions (weighted sum) and
+        the overlong penalty (OverlongShaping "penalty")."""
         per_function = {}
         total = torch.zeros(len(completions), dtype=torch.float64)
         for fn, name, weight in zip(self.reward_funcs, self.reward_names, self.reward_weights):
@@ -293,6 +310,11 @@ class GRPOModule(MegatronModule):
                                   dtype=torch.float64)
             per_function[name] = values
             total += weight * values
+        if self.overlong is not None and self.overlong.mode == "penalty":
+            lengths = torch.tensor([len(c) for c in completion_ids], dtype=torch.float64)
+            per_function["overlong"] = grpo_loss.overlong_penalty(
+                lengths, self.max_completion_length, self.overlong.buffer, self.overlong.factor)
+            total += per_function["overlong"]
         return Rollout(prompt_ids, completion_ids, total, per_function)
 
     def rollout_rows(self, rollout: Rollout) -> dict:
@@ -302,7 +324,10 @@ class GRPOModule(MegatronModule):
             raise ValueError(f"a rollout of {len(rollout.prompt_ids)} completions does not hold "
                              f"whole groups of num_generations={self.num_generations}")
         rows = []
-        for prompt, completion in zip(rollout.prompt_ids, rollout.completion_ids):
+        filtered = [False] * len(rollout.prompt_ids)
+        if self.overlong is not None and self.overlong.mode == "filter" and rollout.truncated is not None:
+            filtered = rollout.truncated
+        for prompt, completion, drop in zip(rollout.prompt_ids, rollout.completion_ids, filtered):
             completion = list(completion)
             if len(completion) > self.max_completion_length:
                 raise ValueError(f"a completion of {len(completion)} tokens is longer than "
@@ -311,7 +336,8 @@ class GRPOModule(MegatronModule):
                 raise ValueError(f"a prompt of {len(prompt)} tokens + its completion of "
                                  f"{len(completion)} exceed the model's seq_length={seq}")
             ids = list(prompt) + completion
-            rows.append(build_row([(ids, [0] * len(prompt) + [1] * len(completion))], seq, 0))
+            # a filtered (overlong) completion is in the row but carries no loss
+            rows.append(build_row([(ids, [0] * len(prompt) + [int(not drop)] * len(completion))], seq, 0))
         batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         if rollout.sampled_logps is not None:
             batch["rollout_logps"] = self._rollout_logps(rollout, seq)
@@ -433,7 +459,8 @@ class GRPOModule(MegatronModule):
             if sampled is not None and self.correction.tis_cap > 0:
                 weights = grpo_loss.tis_weights(old, sampled, self.correction.tis_cap)
             terms = grpo_loss.token_terms(logp, old, batch["advantages"], self.epsilon_low,
-                                          self.epsilon_high, self.beta, batch.get("ref_logps"), weights)
+                                          self.epsilon_high, self.beta, batch.get("ref_logps"), weights,
+                                          self.importance_level, mask)
             total, count = grpo_loss.normalized(terms.loss, mask, self.loss_normalization)
             tokens = mask.sum()
             report = {"loss": torch.stack([total.detach(), count.detach()])}
@@ -449,7 +476,7 @@ class GRPOModule(MegatronModule):
 
     def _log_rollout(self, rollout: Rollout, batch: dict) -> None:
         """Rewards (total and per function) and completion lengths over the data-parallel ranks."""
-        lengths = batch["loss_mask"].sum(-1).double()
+        lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.float64)
         series = {"reward": rollout.rewards, **{f"rewards/{k}": v for k, v in rollout.per_function.items()},
                   "completion_length": lengths}
         stats = {}

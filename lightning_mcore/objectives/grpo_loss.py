@@ -5,6 +5,11 @@
     loss_t  = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
               + beta (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)   (k3 estimate of KL, beta > 0)
 
+GSPO (importance_level "sequence"): one ratio per completion, from its tokens' mean log-ratio,
+    rho_i   = exp(sum_t m_t (logp_t - old_t) / sum_t m_t)     (m: the completion's tokens)
+clipped as above and given to each of its tokens (the gradient reaches every token through the
+mean), as Qwen's GSPO and trl's importance_sampling_level="sequence" compute it.
+
 With truncated importance sampling (tis_cap > 0), the policy term of each token is weighted by
     w_t     = min(exp(old_t - rollout_t), tis_cap)    (detached; rollout_t: the sampler's log-prob)
 and the gap between the rollout's policy and the trained one is measured on the completion tokens
@@ -25,6 +30,7 @@ from typing import Optional
 import torch
 
 NORMALIZATIONS = ("token", "sequence")
+IMPORTANCE_LEVELS = ("token", "sequence")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
@@ -55,12 +61,23 @@ class TokenTerms:
 def token_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 epsilon_low: float, epsilon_high: float, beta: float = 0.0,
                 ref_logp: Optional[torch.Tensor] = None,
-                weights: Optional[torch.Tensor] = None) -> TokenTerms:
+                weights: Optional[torch.Tensor] = None, level: str = "token",
+                mask: Optional[torch.Tensor] = None) -> TokenTerms:
     """The clipped-ratio loss of every token: `logp`, `old_logp`, `ref_logp` [rows, seq] (the
     policy being trained, the one that sampled, the reference), `advantages` [rows]; `weights`
-    [rows, seq] (truncated importance sampling) multiply the policy term, not the KL."""
+    [rows, seq] (truncated importance sampling) multiply the policy term, not the KL; `level`
+    "sequence" (GSPO) takes one ratio per row over its `mask`ed tokens."""
     adv = advantages[:, None].to(logp.dtype)
-    ratio = torch.exp(logp - old_logp)
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("a sequence-level ratio needs the mask of each row's tokens")
+        m = mask.to(logp.dtype)
+        ratio = torch.exp(((logp - old_logp) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+        ratio = ratio.expand_as(logp)
+    elif level == "token":
+        ratio = torch.exp(logp - old_logp)
+    else:
+        raise ValueError(f"importance level must be one of {IMPORTANCE_LEVELS}, got {level!r}")
     clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     loss = -torch.min(ratio * adv, clipped_ratio * adv)
     if weights is not None:
@@ -112,3 +129,20 @@ def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
     tokens = mask.sum()
     return {"rollout_logp_diff": (delta.abs().sum(), tokens),
             "rollout_kl": (((torch.exp(delta) - delta - 1.0) * mask).sum(), tokens)}
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment of completions of `lengths` [N] tokens (at most
+    `max_length`): 0 up to max_length - buffer, then falling linearly to -factor at max_length,
+    min(0, (max_length - buffer - length) / buffer) * factor."""
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"the overlong buffer must be in 1..max_completion_length={max_length}, got {buffer}")
+    over = (max_length - buffer - lengths.double()) / buffer
+    return over.clamp(max=0.0) * factor
+
+
+def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N / group_size] bool: the groups whose rewards are not all equal (DAPO's dynamic
+    sampling keeps only these: a group of equal rewards has zero advantage everywhere)."""
+    grouped = rewards.reshape(-1, group_size)
+    return (grouped != grouped[:, :1]).any(dim=1)
