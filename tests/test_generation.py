@@ -189,6 +189,24 @@ def test_too_long_requests_and_bad_settings_are_refused():
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("family, parallel", [
+    ("qwen3_moe", dict(pipeline_model_parallel_size=2)),
+    ("deepseek_v3", dict(expert_model_parallel_size=2)),
+    ("deepseek_v3", dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    ("deepseek_v3", dict(pipeline_model_parallel_size=2)),
+], ids=["qwen3_moe-pp2", "deepseek_v3-ep2", "deepseek_v3-tp2_sp", "deepseek_v3-pp2"])
+def test_kv_cache_generation_for_moe_at_the_other_layouts(family, parallel, tmp_path):
+    """The MoE layouts the test above leaves: PP=2 (a Qwen3-MoE), and a DeepSeek-V3 (latent
+    attention, a dense first layer, grouped sigmoid routing) at EP=2, TP=2+SP and PP=2: cached
+    greedy decoding equals the no-cache reference and transformers' generate."""
+    source = tmp_path / family
+    hf = make_hf_model(family, source, **({"num_hidden_layers": 2} if family == "qwen3_moe" else {}))
+    got = run(tmp_path, str(source), 2, "layout", full=False, **parallel)
+    check_cache(got)
+    assert got["greedy"] == hf_greedy(hf)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("family", ["deepseek_v3", "gemma3"])
 def test_kv_cache_generation_for_latent_attention_and_windows(family, tmp_path):
     """Multi-latent attention (DeepSeek-V3, YaRN); Gemma 3's local RoPE and sliding windows

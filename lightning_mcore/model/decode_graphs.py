@@ -24,6 +24,8 @@ import weakref
 
 import torch
 
+from lightning_mcore.model import inference_context
+
 # chunk -> its DecodeGraphs (one row count at a time: a new count frees the old cache)
 _KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -48,7 +50,7 @@ def graphs_unavailable(strategy, cfg) -> str:
 def decode_graphs(chunk, rows: int, vocab: int, length: int, longest: int,
                   new_context) -> "DecodeGraphs":
     """The kept DecodeGraphs of this chunk for `rows` rows and sequences of `length` positions,
-    made (with `new_context(capacity)`, a StaticInferenceContext with its buffers) when there is
+    made (with `new_context(capacity)`, an inference context with its buffers) when there is
     none for that row count or its cache is too short. The capacity is `length` rounded up to a
     power of two (at most `longest`, the model's seq_length), so that calls whose prompts vary a
     little keep the same cache, and its graphs, without holding seq_length positions."""
@@ -102,8 +104,7 @@ class DecodeGraphs:
         self.logits.copy_(out[:, -1, :self.vocab])
 
     def _capture(self, position: int):
-        self.context.sequence_len_offset = position
-        self.context.enable_decode_mode()
+        inference_context.go_to(self.context, position)
         if not self.warm:
             # Lazy state (cuBLAS handles, TE workspaces) is made by an eager step on a side
             # stream, as torch asks; it writes the same K/V at `position` as the replay will.

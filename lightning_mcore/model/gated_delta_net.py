@@ -45,6 +45,8 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 
+from lightning_mcore.model import inference_context as ic
+
 IN_PROJ_SECTIONS = ("query", "key", "value", "z", "beta", "alpha")
 L2NORM_EPS = 1e-6  # transformers' and flash-linear-attention's
 A_INIT_RANGE = (1.0, 16.0)  # A = exp(A_log) drawn from it at initialisation, as mcore's
@@ -120,8 +122,8 @@ class GatedDeltaNet(MegatronModule):
                                                self.value_heads, self.value_heads), dim=-1)
         state = None
         if inference_context is not None:
-            state = inference_context.key_value_memory_dict[self.layer_number]
-            if inference_context.sequence_len_offset == 0:  # a prefill starts from nothing
+            state = ic.buffers(inference_context, self.layer_number)
+            if ic.position(inference_context) == 0:  # a prefill starts from nothing
                 for buffer in state:
                     buffer.zero_()
         if packed_seq_params is not None:

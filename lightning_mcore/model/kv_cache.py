@@ -1,9 +1,9 @@
 """Next-token logits of a batch of rows, one new column at a time, from the mcore chunks.
 
-`CachedForward` keeps each layer's keys and values in Megatron-Core's `StaticInferenceContext`
-(passed to GPTModel.forward as `inference_context`: every attention layer appends its K/V and
-attends over the cache; only the last position reaches the output layer, whose logits mcore
-gathers over tensor-parallel ranks). We allocate the cache buffers ourselves on the strategy's
+`CachedForward` keeps each layer's keys and values in Megatron-Core's inference context
+(model/inference_context.py; passed to GPTModel.forward as `inference_context`: every attention
+layer appends its K/V and attends over the cache; only the last position reaches the output
+layer, whose logits mcore gathers over tensor-parallel ranks). We allocate the cache buffers ourselves on the strategy's
 device, as mcore's own allocation asks for a CUDA device. Every call goes through the strategy's
 forward-only schedule, so pipeline stages pass hidden states as in training; one context per
 chunk, all advanced together.
@@ -21,6 +21,7 @@ import contextlib
 
 import torch
 
+from lightning_mcore.model import inference_context as ic
 from lightning_mcore.model import reproducible_attention
 
 
@@ -65,23 +66,23 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_gr
 
 
 def new_context(chunk, rows: int, max_length: int, device):
-    """mcore's StaticInferenceContext for `chunk`, with its K/V buffers allocated on `device`
-    (a linear-attention layer keeps its convolution window and recurrent state there instead)."""
-    from megatron.core.inference.contexts import StaticInferenceContext
+    """An inference context for `chunk`, with its K/V buffers allocated on `device` (mcore's
+    own allocation asks for a CUDA device; a linear-attention layer keeps its convolution window
+    and recurrent state there instead)."""
     from megatron.core.transformer.attention import Attention
 
     from lightning_mcore.model.gated_delta_net import GatedDeltaNet
 
-    context = StaticInferenceContext(rows, max_length)
+    context = ic.new_context(rows, max_length)
     for module in chunk.modules():
         if isinstance(module, GatedDeltaNet):
-            context.key_value_memory_dict[module.layer_number] = module.state_buffers(rows, device)
+            ic.keep_buffers(context, module.layer_number, module.state_buffers(rows, device))
         if isinstance(module, Attention):
             weight = next(module.parameters())
             shape = (max_length, rows, module.num_query_groups_per_partition)
-            context.key_value_memory_dict[module.layer_number] = tuple(
+            ic.keep_buffers(context, module.layer_number, tuple(
                 torch.zeros(*shape, dim, dtype=weight.dtype, device=device)
-                for dim in (module.key_hidden_size, module.val_hidden_size))
+                for dim in (module.key_hidden_size, module.val_hidden_size)))
     return context
 
 
@@ -117,7 +118,7 @@ class CachedForward:
             raise ValueError("CachedForward: after the prefill, append one column per call.")
         if self.length and self.graphs is not None and not self.graphs.failed:
             try:
-                with _inference_mode(), reproducible_attention.unfused_attention(self.reproducible):
+                with ic.inference_mode(), reproducible_attention.unfused_attention(self.reproducible):
                     logits = self.graphs.step(columns, self.length, self.adapters_state)
                 self.length += 1
                 return logits
@@ -137,22 +138,10 @@ class CachedForward:
 
         micro = [self.inputs.batch(columns, self.length)]
         for context in self.contexts:
-            context.sequence_len_offset = self.length
-            if self.length:
-                context.enable_decode_mode()
-            else:
-                context.enable_prefill_mode()  # a kept context starts a new prefill
+            ic.go_to(context, self.length)  # at 0 a kept context starts a new prefill
         decode = self.length > 0
-        with _inference_mode(), reproducible_attention.unfused_attention(self.reproducible and decode):
+        with ic.inference_mode(), reproducible_attention.unfused_attention(self.reproducible and decode):
             logits = self.strategy.forward_only(micro, step, self.chunks, (n, self.rows),
                                                 (self.rows, vocab))
         self.length += n
         return logits
-
-
-def _inference_mode():
-    """mcore reads a process-wide flag, not `inference_context`, to run its inference paths
-    (among them: only the last position reaches the output layer)."""
-    from megatron.core.inference.utils import InferenceMode
-
-    return InferenceMode.active()
