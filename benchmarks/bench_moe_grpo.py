@@ -83,6 +83,24 @@ def run_grpo(args) -> None:
             return torch.utils.data.DataLoader(batches, batch_size=None)
 
     class Timed(GRPOModule):
+        def make_rollout(self, batch):
+            if not args.profile or self.trainer.global_step != 1:
+                return super().make_rollout(batch)
+            from torch.profiler import ProfilerActivity, profile
+
+            sync()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                rollout = super().make_rollout(batch)
+                sync()
+            if self.trainer.global_rank == 0:
+                events = prof.key_averages()
+                with open(args.profile, "w") as f:
+                    f.write(f"GPU busy (sum of kernel time): {sum(e.self_device_time_total for e in events) / 1e6:.2f} s\n")
+                    f.write(events.table(sort_by="self_cpu_time_total", row_limit=35))
+                    f.write("\n")
+                    f.write(events.table(sort_by="self_device_time_total", row_limit=25))
+            return rollout
+
         def _token_logps(self, batch, reference):
             sync()
             start = time.perf_counter()
@@ -111,7 +129,7 @@ def run_grpo(args) -> None:
                     "logps_s": round(module.logps_s, 3), "peak_gib": [round(p, 2) for p in peaks],
                     **{k: got[f"train/{k}"] for k in keep if f"train/{k}" in got},
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                    "gpus": trainer.world_size, "prompts_per_rank": args.prompts, "generations": args.generations,
+                    "gpus": trainer.world_size, "lora": args.lora, "prompts_per_rank": args.prompts, "generations": args.generations,
                     "prompt_length": args.prompt_length, "new": args.new}), flush=True)
 
     gpu = torch.cuda.is_available() and not args.tiny
@@ -125,7 +143,7 @@ def run_grpo(args) -> None:
     )
     module = Timed(args.model, OptimizerSettings(lr=1e-5, warmup_steps=0),
                    model_overrides={"seq_length": args.prompt_length + args.new},
-                   lora=LoRAConfig(target_modules="all-linear", rank=8, alpha=16),
+                   lora=None if args.lora == "none" else LoRAConfig(target_modules=args.lora, rank=8, alpha=16),
                    reward_funcs=[varied],
                    num_generations=args.generations, max_completion_length=args.new, beta=0.04,
                    sampling=GRPOSampling(temperature=1.0, seed=0),
@@ -186,6 +204,8 @@ def main() -> None:
     g.add_argument("--new", type=int, default=256)
     g.add_argument("--micro-batch", type=int, default=8)
     g.add_argument("--tiny", action="store_true")
+    g.add_argument("--lora", default="all-linear", help="LoRA target_modules, or none (full training)")
+    g.add_argument("--profile", default="", help="write a torch.profiler table of the second rollout here")
     h = sub.add_parser("hf")
     h.add_argument("--model", required=True)
     h.add_argument("--impl", choices=("hf-eager", "hf-static"), default="hf-static")

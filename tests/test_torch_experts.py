@@ -158,12 +158,14 @@ def test_hf_logits_and_export_with_torch_experts(family, layout, tmp_path):
     assert config.torch_experts  # the run above took torch's kernel ('auto')
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
-def test_grouped_linear_gradients_match_per_expert_linears(frozen, monkeypatch):
+def test_grouped_linear_gradients_match_per_expert_linears(frozen, stacked, monkeypatch):
     """The grouped GEMM's backward against autograd through one F.linear per expert; frozen
-    experts (LoRA) get no weight gradient and skip its GEMM (2 grouped GEMMs, not 3)."""
+    experts (LoRA) get no weight gradient and skip its GEMM (2 grouped GEMMs, not 3). `stacked`:
+    the weights as one [E, out, in] tensor (LoRA adapters), StackedExpertLinear."""
     from lightning_mcore.model import torch_experts
-    from lightning_mcore.model.torch_experts import GroupedExpertLinear
+    from lightning_mcore.model.torch_experts import GroupedExpertLinear, StackedExpertLinear
 
     calls = []
     grouped_mm = torch_experts._grouped_mm
@@ -175,8 +177,14 @@ def test_grouped_linear_gradients_match_per_expert_linears(frozen, monkeypatch):
     weights = [torch.randn(8, 16, generator=gen, requires_grad=not frozen) for _ in counts]
     dy = torch.randn(sum(counts), 8, generator=gen)
     offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-    y = GroupedExpertLinear.apply(x, offsets, *weights)
-    grads = torch.autograd.grad(y, [x, *[w for w in weights if w.requires_grad]], dy)
+    if stacked:
+        weight = torch.stack(weights).detach().requires_grad_(not frozen)
+        y = StackedExpertLinear.apply(x, offsets, weight)
+        grads = torch.autograd.grad(y, [x, *([weight] if weight.requires_grad else [])], dy)
+        grads = grads[:1] + tuple(grads[1].unbind(0)) if not frozen else grads
+    else:
+        y = GroupedExpertLinear.apply(x, offsets, *weights)
+        grads = torch.autograd.grad(y, [x, *[w for w in weights if w.requires_grad]], dy)
 
     x_ref = x.detach().clone().requires_grad_(True)
     w_ref = [w.detach().clone().requires_grad_(not frozen) for w in weights]
