@@ -228,7 +228,7 @@ def _call_routing(calls: list[list[torch.Tensor]], n: int, rows: int) -> torch.T
     per_router = []
     for records in calls:
         (chosen,) = records  # one microbatch per cached call
-        per_router.append(chosen.reshape(n, rows, -1))
+        per_router.append(chosen.reshape(n, rows, -1).to(torch.int16))  # expert ids fit; 1/4 of int64
     if not per_router:
         raise ValueError("generate: no MoE router recorded its choices (a dense model has no routing)")
     return torch.stack(per_router, dim=2)

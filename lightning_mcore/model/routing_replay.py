@@ -10,7 +10,7 @@ routers (a frozen reference's), which keep choosing for themselves.
 Token order: a router sees its layer's input [s, b, h] as [s*b, h] (s-major); under sequence
 parallelism, its tensor-parallel rank's contiguous 1/tp of that. A packed THD row (training) is
 [rows*seq, 1, h]: token (row r, position p) is r*seq + p. Routing is kept per (row, position):
-[rows, seq, layers, topk] int64, `layers` being this rank's MoE layers in layer-number order (a
+[rows, seq, layers, topk] int16, `layers` being this rank's MoE layers in layer-number order (a
 pipeline stage replays its own layers).
 """
 

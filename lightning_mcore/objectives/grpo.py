@@ -504,7 +504,7 @@ def _routing_rows(routing: list[torch.Tensor], seq: int, topk: int) -> tuple[tor
     while generating; elsewhere (the last token, padding: positions whose output no loss reads)
     experts 0..topk-1. And [N, seq] bool: where the rollout's."""
     layers = next((r.shape[1] for r in routing if r.numel()), 0)
-    out = torch.arange(topk).expand(len(routing), seq, layers, topk).clone()
+    out = torch.arange(topk, dtype=torch.int16).expand(len(routing), seq, layers, topk).clone()
     fed = torch.zeros(len(routing), seq, dtype=torch.bool)
     for i, chosen in enumerate(routing):
         if chosen.numel():
