@@ -82,8 +82,16 @@ OURS = {TQDMProgressBar: MegatronProgressBar, RichProgressBar: MegatronRichProgr
 
 def replacing_defaults(callbacks: Sequence[L.Callback]) -> list[L.Callback]:
     """Ours for each of Lightning's own bar and summary the Trainer holds (those exact types: a
-    bar or summary the user chose, ours among them, stays)."""
-    return [OURS[type(c)]() for c in callbacks if type(c) in OURS]
+    subclass the user chose, ours among them, stays). Each carries the replaced one's settings
+    (a user's `TQDMProgressBar(refresh_rate=10)` or `ModelSummary(max_depth=3)` keeps them):
+    ours are subclasses that add no state, so the instance's attributes pass over whole."""
+    replaced = []
+    for callback in callbacks:
+        if type(callback) in OURS:
+            ours = OURS[type(callback)].__new__(OURS[type(callback)])
+            ours.__dict__.update(vars(callback))
+            replaced.append(ours)
+    return replaced
 
 
 def count_parameters(chunks, trainable_only: bool = False) -> int:
