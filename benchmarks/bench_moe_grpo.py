@@ -13,7 +13,7 @@ the rollout's seconds and tokens/s (this rank's completions over the generation'
 under EP every rank generates all ranks' prompts), the log-prob passes' seconds (the reference
 with adapters off), the training step's, peak memory, and the train/rollout mismatch metrics.
 `hf` prints one per timed generate call set. `--tiny` runs the same code on CPU with a small
-shape (the CPU test of this script).
+shape, to try the script without a GPU.
 """
 
 from __future__ import annotations

@@ -93,14 +93,14 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg,
     (new tokens only) of each prompt, with a KV cache (`strategy`: a MegatronStrategy or a
     callable giving one; `cfg`: the GPTConfig). Data-parallel ranks may pass different prompts
     (GRPO's rollouts); tensor- and pipeline-parallel peers pass the same."""
-    return generate_traced(strategy, chunks, prompts, cfg, sampling).completions
+    return generate_traced(strategy, chunks, prompts, cfg, sampling, logps=False).completions
 
 
 @dataclass
 class Generated:
     """What generate_traced gives: each prompt's `completions` (new tokens), the `logps` of
     those tokens under the model (log-softmax of its logits at temperature 1, float64, whatever
-    the sampling settings), and with `routing`, for each prompt, the experts every position fed
+    the sampling settings; empty lists unless asked for), and with `routing`, for each prompt, the experts every position fed
     to the model chose: [len(prompt) + len(completion) - 1, MoE layers of this rank, topk] (the
     last new token is never fed)."""
 
@@ -116,7 +116,7 @@ class Generated:
 
 @torch.no_grad()
 def generate_traced(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
-                    routing: bool = False) -> Generated:
+                    routing: bool = False, logps: bool = True) -> Generated:
     """generate_batch, with each new token's log-prob and, with `routing`, every MoE layer's
     choice of experts for every position fed (model/routing_replay.py; decode CUDA graphs are
     skipped: a replayed graph calls no Python)."""
@@ -130,9 +130,10 @@ def generate_traced(strategy, chunks, prompts: list[list[int]], cfg, sampling: S
         parts, start = shared
         everyone = [p for part in parts for p in part]
         out = generate_columns(strategy, chunks, everyone, cfg, sampling, [len(part) for part in parts],
-                               routing=routing)
+                               routing=routing, logps=logps)
         return out.rows(start, len(prompts))
-    return generate_columns(strategy, chunks, prompts, cfg, sampling, [len(prompts)], routing=routing)
+    return generate_columns(strategy, chunks, prompts, cfg, sampling, [len(prompts)], routing=routing,
+                            logps=logps)
 
 
 def _expert_parallel_share(prompts: list[list[int]], cfg) -> Optional[tuple[list, int]]:
@@ -165,10 +166,12 @@ def _uniforms(seed: int, position: int, groups: list[int]) -> torch.Tensor:
 
 
 def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
-                     groups: list[int], inputs=None, routing: bool = False) -> Generated:
+                     groups: list[int], inputs=None, routing: bool = False,
+                     logps: bool = False) -> Generated:
     """The completions of `prompts` through the cache, one column per step; `groups`: the row
     counts that draw their numbers from one stream (_uniforms); `inputs`: what a step feeds the
-    model (model/kv_cache.py; default token ids); `routing`: record the experts' choices."""
+    model (model/kv_cache.py; default token ids); `routing`: record the experts' choices;
+    `logps`: keep each new token's log-prob (a log-softmax over the vocabulary per step)."""
     from lightning_mcore.model import routing_replay
     from lightning_mcore.model.kv_cache import next_token_logits
 
@@ -179,7 +182,7 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
     total = max(n + sampling.max_new_tokens for n in lengths)
     stop = set(sampling.stop)
     completions: list[list[int]] = [[] for _ in prompts]
-    logps: list[list[float]] = [[] for _ in prompts]
+    kept: list[list[float]] = [[] for _ in prompts]
     done = [False] * rows
     columns: list[torch.Tensor] = []  # routing of each call: [n, rows, layers, topk]
     record = routing_replay.recording(chunks) if routing else contextlib.nullcontext()
@@ -197,8 +200,9 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
         logits = step(torch.tensor([p[:position] for p in prompts]))
         while True:
             chosen = choose_tokens(logits, sampling, _uniforms(sampling.seed, position, groups))
-            chosen_logp = torch.log_softmax(logits.detach().double(), -1).gather(
-                -1, chosen.to(logits.device)[:, None])[:, 0].tolist()
+            if logps:
+                chosen_logp = torch.log_softmax(logits.detach().double(), -1).gather(
+                    -1, chosen.to(logits.device)[:, None])[:, 0].tolist()
             chosen = chosen.tolist()
             column = []
             for i, prompt in enumerate(prompts):
@@ -208,7 +212,8 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
                 token = chosen[i]
                 if not done[i]:
                     completions[i].append(token)
-                    logps[i].append(chosen_logp[i])
+                    if logps:
+                        kept[i].append(chosen_logp[i])
                     done[i] = token in stop or len(completions[i]) == sampling.max_new_tokens
                 column.append(token)
             if all(done):
@@ -216,9 +221,9 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
             logits = step(torch.tensor(column).unsqueeze(1))
             position += 1
     if not routing:
-        return Generated(completions, logps)
+        return Generated(completions, kept)
     fed = torch.cat(columns)  # [positions, rows, layers, topk]
-    return Generated(completions, logps, [fed[: lengths[i] + len(completions[i]) - 1, i].cpu()
+    return Generated(completions, kept, [fed[: lengths[i] + len(completions[i]) - 1, i].cpu()
                                           for i in range(rows)])
 
 

@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from lightning_mcore import rewards as reward_lib
 from lightning_mcore.data.packing import build_row
-from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model import routing_replay
+from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives import grpo_loss
@@ -427,7 +427,7 @@ class GRPOModule(MegatronModule):
         sp = self._strategy().parallel.sequence_parallel
         if not self._replay_off:
             return routing_replay.replaying(chunk, routers, flat, sp)
-        if getattr(self, "_routing_counts", None) is None:
+        if self._routing_counts is None:
             return contextlib.nullcontext()
         return self._counting(chunk, routers, flat, sp, mb["routing_fed"])
 
