@@ -228,12 +228,12 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
 
 
 def _call_routing(calls: list[list[torch.Tensor]], n: int, rows: int) -> torch.Tensor:
-    """[n, rows, layers, topk] from one cached forward call's records (one per router, tokens
-    s-major: column-by-column of the rows)."""
+    """[n, rows, layers, topk] from one cached forward call's records (one per router of this
+    rank, tokens s-major: column-by-column of the rows)."""
     per_router = []
     for records in calls:
         (chosen,) = records  # one microbatch per cached call
         per_router.append(chosen.reshape(n, rows, -1).to(torch.int16))  # expert ids fit; 1/4 of int64
-    if not per_router:
-        raise ValueError("generate: no MoE router recorded its choices (a dense model has no routing)")
+    if not per_router:  # a pipeline stage of dense layers only (DeepSeek's first layers)
+        return torch.zeros(n, rows, 0, 0, dtype=torch.int16)
     return torch.stack(per_router, dim=2)

@@ -423,7 +423,7 @@ class GRPOModule(MegatronModule):
         if routing is None or not replay:
             return contextlib.nullcontext()
         routers = routing_replay.moe_routers(self.chunks)
-        flat = routing.reshape(-1, *routing.shape[2:])
+        flat = routing.flatten(0, 1)  # [rows * seq, layers, topk]: a THD row's token order
         sp = self._strategy().parallel.sequence_parallel
         if not self._replay_off:
             return routing_replay.replaying(chunk, routers, flat, sp)
