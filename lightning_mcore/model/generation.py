@@ -100,9 +100,9 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg,
 class Generated:
     """What generate_traced gives: each prompt's `completions` (new tokens), the `logps` of
     those tokens under the model (log-softmax of its logits at temperature 1, float64, whatever
-    the sampling settings; empty lists unless asked for), and with `routing`, for each prompt, the experts every position fed
-    to the model chose: [len(prompt) + len(completion) - 1, MoE layers of this rank, topk] (the
-    last new token is never fed)."""
+    the sampling settings; empty lists unless asked for), and with `routing`, for each prompt,
+    the experts every position fed to the model chose: [len(prompt) + len(completion) - 1, MoE
+    layers of this rank, topk] (the last new token is never fed)."""
 
     completions: list[list[int]]
     logps: list[list[float]]

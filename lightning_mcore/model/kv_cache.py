@@ -3,16 +3,17 @@
 `CachedForward` keeps each layer's keys and values in Megatron-Core's inference context
 (model/inference_context.py; passed to GPTModel.forward as `inference_context`: every attention
 layer appends its K/V and attends over the cache; only the last position reaches the output
-layer, whose logits mcore gathers over tensor-parallel ranks). We allocate the cache buffers ourselves on the strategy's
-device, as mcore's own allocation asks for a CUDA device. Every call goes through the strategy's
-forward-only schedule, so pipeline stages pass hidden states as in training; one context per
-chunk, all advanced together.
+layer, whose logits mcore gathers over tensor-parallel ranks). We allocate the cache buffers
+ourselves on the strategy's device, as mcore's own allocation asks for a CUDA device. Every call
+goes through the strategy's forward-only schedule, so pipeline stages pass hidden states as in
+training; one context per chunk, all advanced together.
 
 What a step feeds the model is `TokenColumns` (token ids at consecutive positions) unless the
 caller gives its own (model/vision_columns.py: image embeddings and M-RoPE positions).
 
 Under sequence parallelism the chunks run with it switched off while generating, MoE layers
-included (tests/test_generation.py: greedy equals transformers' at TP=2+SP for a Qwen3-MoE).
+included (tests/test_generation.py: greedy equals transformers' at TP=2+SP for a Qwen3-MoE and a
+DeepSeek-V3, on CPU; on GPU not yet run).
 """
 
 from __future__ import annotations
