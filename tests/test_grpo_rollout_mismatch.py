@@ -1,5 +1,6 @@
-"""Acceptance (issue 46, parts 2 and 3): GRPO on a Qwen3-MoE at EP=2 (and TP=2+SP), fp32 on CPU,
-generating its own rollouts. Generation keeps each sampled token's log-prob and every MoE layer's experts;
+"""Acceptance (issue 46, parts 2 and 3): GRPO on a Qwen3-MoE at EP=2 (and at TP=2+SP and PP=2,
+and a DeepSeek-V3 at PP=2), fp32 on CPU, generating its own rollouts. Generation keeps each
+sampled token's log-prob and every MoE layer's experts;
 
 - with routing replay (R3) the training forward's per-token log-probs equal the rollout's
   (1e-6), and replaying other experts changes them (the replay is what decides);
