@@ -28,6 +28,15 @@ def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     return sorted(found, key=lambda m: m.layer_number)
 
 
+def routers_by_chunk(chunks: Sequence[torch.nn.Module]) -> dict[int, list[tuple[int, torch.nn.Module]]]:
+    """For each chunk (by id), its routers with their column in this rank's routing (the order of
+    `moe_routers` over all chunks). Computed once by a caller that keeps its chunks: each forward
+    pass then finds its routers without walking the chunk's modules."""
+    columns = {id(r): column for column, r in enumerate(moe_routers(chunks))}
+    return {id(chunk): [(columns[id(m)], m) for m in chunk.modules() if id(m) in columns]
+            for chunk in chunks}
+
+
 def _action(name: str):
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -90,30 +99,27 @@ def local_tokens(flat: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def replaying(chunk, routers_all, routing: torch.Tensor, sequence_parallel: bool):
-    """During one forward pass of `chunk`: each of its routers takes its layer's experts from
-    `routing` [tokens, layers, topk] (layers in the order of `routers_all`, this rank's routers
-    over all chunks) instead of choosing them."""
-    mine = {id(m) for m in chunk.modules()}
+def replaying(routers: list[tuple[int, torch.nn.Module]], routing: torch.Tensor, sequence_parallel: bool):
+    """During one forward pass of a chunk whose `routers` are (column, router) pairs
+    (`routers_by_chunk`): each takes its layer's experts from `routing` [tokens, layers, topk]
+    instead of choosing them."""
     routing = local_tokens(routing, sequence_parallel)
     used = []
     try:
-        for column, router in enumerate(routers_all):
-            if id(router) in mine:
-                router.router_replay.set_target_indices(routing[:, column].long())
-                router.router_replay.set_router_replay_action(_action("replay"))
-                used.append(router)
+        for column, router in routers:
+            router.router_replay.set_target_indices(routing[:, column].long())
+            router.router_replay.set_router_replay_action(_action("replay"))
+            used.append(router)
         yield
     finally:
         _reset(used)
 
 
 @contextlib.contextmanager
-def recording_chunk(chunk, routers_all) -> Iterator[dict]:
-    """During one forward pass of `chunk`: what each of its routers chose, as {column: [tokens,
-    topk]} (columns as in `replaying`), filled when the pass is over."""
-    mine = {id(m) for m in chunk.modules()}
-    used = [(column, r) for column, r in enumerate(routers_all) if id(r) in mine]
+def recording_chunk(routers: list[tuple[int, torch.nn.Module]]) -> Iterator[dict]:
+    """During one forward pass of a chunk whose `routers` are (column, router) pairs: what each
+    chose, as {column: [tokens, topk]}, filled when the pass is over."""
+    used = list(routers)
     chosen: dict[int, torch.Tensor] = {}
     try:
         for _, router in used:

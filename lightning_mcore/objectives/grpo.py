@@ -188,6 +188,7 @@ class GRPOModule(MegatronModule):
         self.importance_level, self.overlong, self.dynamic_sampling = importance_level, overlong, dynamic_sampling
         self._reference: Optional[FrozenModel] = None  # beta > 0, no LoRA: the starting weights
         self._routing_counts: Optional[torch.Tensor] = None  # (differing, all) this step, or None
+        self._routers: Optional[dict] = None  # routing_replay.routers_by_chunk, on first use
         self._rollout: Optional[Rollout] = None
 
     # ------------------------------------------------------------ checks before launch
@@ -422,27 +423,32 @@ class GRPOModule(MegatronModule):
         routing = mb.get("routing")
         if routing is None or not replay:
             return contextlib.nullcontext()
-        routers = routing_replay.moe_routers(self.chunks)
+        if self._routers is None:  # the chunks are built once (configure_model)
+            self._routers = routing_replay.routers_by_chunk(self.chunks)
+        routers = self._routers.get(id(chunk), [])
+        if not routers:  # a pipeline stage of dense layers
+            return contextlib.nullcontext()
         flat = routing.flatten(0, 1)  # [rows * seq, layers, topk]: a THD row's token order
         sp = self._strategy().parallel.sequence_parallel
         if not self._replay_off:
-            return routing_replay.replaying(chunk, routers, flat, sp)
+            return routing_replay.replaying(routers, flat, sp)
         if self._routing_counts is None:
             return contextlib.nullcontext()
-        return self._counting(chunk, routers, flat, sp, mb["routing_fed"])
+        return self._counting(routers, flat, sp, mb["routing_fed"])
 
     @contextlib.contextmanager
-    def _counting(self, chunk, routers, flat: torch.Tensor, sp: bool, fed: torch.Tensor):
-        """Record the chunk's routers in one forward pass, count the positions fed while
+    def _counting(self, routers, flat: torch.Tensor, sp: bool, fed: torch.Tensor):
+        """Record a chunk's `routers` in one forward pass, count the positions fed while
         generating whose experts differ from the rollout's."""
-        with routing_replay.recording_chunk(chunk, routers) as chosen:
+        with routing_replay.recording_chunk(routers) as chosen:
             yield
         local = routing_replay.local_tokens(flat, sp)
         where = routing_replay.local_tokens(fed.reshape(-1), sp)
         for column, got in chosen.items():
             differ = routing_replay.differing(got, local[:, column])[where.to(got.device)]
-            self._routing_counts += torch.tensor([float(differ.sum()), float(differ.numel())],
-                                                 dtype=torch.float64)
+            # summed on the device: no wait for it per layer (read once, after the step)
+            counts = torch.stack([differ.sum(), differ.new_tensor(differ.numel(), dtype=torch.long)])
+            self._routing_counts = self._routing_counts.to(got.device) + counts.double()
 
     def forward_step(self, batch: dict, chunk):
         with self._routed(batch, chunk, replay=True):
