@@ -1,22 +1,39 @@
 #!/usr/bin/env bash
 # Issue 46 on 2 GPUs, one stage per call (each within the device's 10-minute command limit):
-#   grpo  make the Qwen3-30B-A3B-shaped 8-layer model, then GRPO + LoRA at EP=2, replay off and r3
-#   hf    transformers' generate of the same rollout shape on one GPU: eager and static cache (compiled)
-# Results (JSON lines) go to ${OUT:-.}/s23_<stage>.jsonl, logs to ${OUT:-.}/s23_<stage>.log.
+#   test  the GPU generation tests (decode CUDA graphs, a Qwen3-MoE's among them at EP=1 and EP=2)
+#   grpo  make the Qwen3-30B-A3B-shaped 8-layer model, then GRPO + LoRA at EP=2, replay off and r3;
+#         then transformers' generate of the same rollout shape on one GPU (eager, 64 rows)
+#   hf    transformers' generate with the static cache (compiled), 64 rows
+#   8b    configs/grpo_8b_lora.yaml at TP=2 on a random Llama-3.1-8B-shaped checkpoint, 3 steps
+# Results (JSON lines) go to ${OUT:-.}/${TAG}_<stage>.jsonl, logs to ${OUT:-.}/${TAG}_<stage>.log.
 set -uo pipefail
 OUT=${OUT:-.}
+TAG=${TAG:-s24}
 stage=$1
 MODEL=/tmp/moe_a3b_8l
-log() { tee -a "$OUT/s23_$stage.log" | grep '^RESULT' | sed 's/^RESULT //' >> "$OUT/s23_$stage.jsonl"; }
+log() { tee -a "$OUT/${TAG}_$stage.log" | grep '^RESULT' | sed 's/^RESULT //' >> "$OUT/${TAG}_$stage.jsonl"; }
 case $stage in
+  test)
+    python -m pytest -q -p no:cacheprovider -m gpu tests/test_generation.py 2>&1 | tail -30 | tee "$OUT/${TAG}_test.log" ;;
   grpo)
     [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
     for replay in off r3; do
       CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --replay $replay --steps 3 2>&1 | log
-    done ;;
+    done
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-eager --rows 64 2>&1 | log ;;
   hf)
-    for impl in hf-eager hf-static; do
-      CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl $impl --rows 64 2>&1 | log
-    done ;;
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-static --rows 64 2>&1 | log ;;
+  8b)
+    [ -f /tmp/llama8b/config.json ] || python benchmarks/hf_load_8b.py make --out /tmp/llama8b 2>&1 | tail -1
+    cp configs/sample_data/tiny-llama/tokenizer* configs/sample_data/tiny-llama/special_tokens_map.json /tmp/llama8b/
+    rm -rf runs/grpo_8b_lora
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader -l 2 > "$OUT/${TAG}_8b_gpu_memory.csv" &
+    smi=$!
+    python -m lightning_mcore.cli fit --config configs/grpo_8b_lora.yaml \
+      --model.init_args.model /tmp/llama8b --data.init_args.tokenizer /tmp/llama8b \
+      --data.init_args.paths configs/sample_data/prompts.jsonl --trainer.max_steps 3 2>&1 \
+      | tee -a "$OUT/${TAG}_8b.log" | grep -v "^\s*$" | tail -25
+    kill $smi
+    cp runs/grpo_8b_lora/version_0/metrics.csv "$OUT/${TAG}_8b_metrics.csv" 2>/dev/null ;;
 esac
-cat "$OUT"/s23_"$stage".jsonl 2>/dev/null; grep -i "error\|Traceback" "$OUT/s23_$stage.log" | tail -5
+cat "$OUT/${TAG}_$stage.jsonl" 2>/dev/null; grep -i "error\|Traceback" "$OUT/${TAG}_$stage.log" 2>/dev/null | tail -5

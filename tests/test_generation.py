@@ -60,7 +60,20 @@ class Generate(L.Callback):
                                                  for m in c.modules() if hasattr(m, "sequence_parallel")})
         if self.full:
             got.update(self.sampled(pl_module, greedy, got["greedy"]))
+        if pl_module.model_config.moe_routing_replay:
+            got["routing_as_eager"] = self.routing_as_eager(pl_module, greedy)
         (self.out.parent / f"{self.out.stem}.rank{trainer.global_rank}.json").write_text(json.dumps(got))
+
+    def routing_as_eager(self, pl_module, greedy: SamplingSettings) -> bool:
+        """The experts recorded while decoding (from CUDA graphs on GPU) are those recorded eagerly."""
+        from lightning_mcore.model.generation import generate_traced
+
+        runs = [generate_traced(pl_module._strategy, pl_module.chunks, PROMPTS, pl_module.model_config,
+                                SamplingSettings(**{**asdict(greedy), "cuda_graphs": graphs}), routing=True)
+                for graphs in (True, False)]
+        assert runs[0].routing[0].shape[1] > 0  # MoE layers recorded
+        return runs[0].completions == runs[1].completions and all(
+            torch.equal(a, b) for a, b in zip(runs[0].routing, runs[1].routing))
 
     def sampled(self, pl_module, greedy: SamplingSettings, completions: list) -> dict:
         got = {
@@ -80,7 +93,7 @@ class Generate(L.Callback):
 
 
 def run(tmp_path, source: str, devices: int, name: str, accelerator: str = "cpu", full: bool = True,
-        **parallel) -> dict:
+        overrides=None, **parallel) -> dict:
     out = tmp_path / f"{name}.json"
     # a forked child cannot use CUDA once the parent has: GPU ranks start fresh processes
     start_method = "fork" if accelerator == "cpu" else "popen"
@@ -91,7 +104,7 @@ def run(tmp_path, source: str, devices: int, name: str, accelerator: str = "cpu"
         strategy=MegatronStrategy(global_batch_size=devices, start_method=start_method, **parallel),
     )
     prompts = {"prompts": PROMPTS, "sampling": SamplingSettings(max_new_tokens=NEW, greedy=True)}
-    trainer.predict(PretrainModule(source), DataLoader([prompts], batch_size=None))
+    trainer.predict(PretrainModule(source, model_overrides=overrides or {}), DataLoader([prompts], batch_size=None))
     got = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(devices)]
     assert all(g == got[0] for g in got[1:]), "ranks disagree"
     return got[0]
@@ -292,3 +305,24 @@ def test_kept_decode_cache_is_reused_and_sized_to_a_power_of_two():
     assert capped.capacity == 3000
     assert made == [512, 1024, 32, 3000]
     assert decode_graphs._KEPT[chunk] is capped  # one kept per chunk
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("devices,parallel", [(1, {}), (2, dict(expert_model_parallel_size=2))],
+                         ids=["ep1", "ep2"])
+def test_moe_decode_steps_replay_cuda_graphs_on_gpu(devices, parallel, tmp_path):
+    """A Qwen3-MoE's decode steps captured in CUDA graphs (the generation dispatcher: no host
+    wait; at EP=2 its all-reduce inside the graph), fp32: greedy as eager decoding, as without a
+    cache and as transformers; seeded sampling reproducible; the experts recorded for routing
+    replay (from the graphs' static buffers) those recorded eagerly."""
+    if torch.cuda.device_count() < devices:
+        pytest.skip(f"needs {devices} GPUs")
+    source = tmp_path / "qwen3_moe"
+    hf = make_hf_model("qwen3_moe", source, num_hidden_layers=2)
+    got = run(tmp_path, str(source), devices, "moe_gpu", accelerator="gpu",
+              overrides={"moe_routing_replay": True}, **parallel)
+    check_one_layout(got)
+    assert got["graphs"] >= NEW - 1
+    assert got["routing_as_eager"]
+    assert got["greedy"] == hf_greedy(hf)

@@ -14,23 +14,29 @@ What a graph bakes in, and how it stays true:
 - weights are read by address: the optimizer updates them in place;
 - Python branches (eval mode and sequence parallelism off, as next_token_logits sets them; LoRA
   adapters on, off or merged): the adapters' state is part of the key, a change recaptures.
-Left eager: MoE layers (the all-to-all dispatcher copies token counts to the host), pipeline
-and, until shown on GPU, tensor parallelism (see graphs_unavailable).
+- routing (GRPO's replay records every MoE layer's experts): mcore's RouterReplay copies them
+  into static buffers kept here, read after each replay; whether they are recorded is in the key.
+MoE layers are captured where generation dispatches their tokens without the host
+(model/replicated_tokens.py: torch's grouped experts, expert-TP 1, dropless). Left eager: other
+MoE layers (the all-to-all dispatcher copies token counts to the host), pipeline and, until
+shown on GPU, tensor parallelism (see graphs_unavailable).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from lightning_mcore.model import inference_context
+from lightning_mcore.model import inference_context, routing_replay
 
 # chunk -> its DecodeGraphs (one row count at a time: a new count frees the old cache)
 _KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def graphs_unavailable(strategy, cfg) -> str:
+def graphs_unavailable(strategy, cfg, chunks) -> str:
     """Why decode steps run eagerly for this model and layout ("" when graphs are used)."""
     if strategy.root_device.type != "cuda":
         return "not on a GPU"
@@ -40,8 +46,10 @@ def graphs_unavailable(strategy, cfg) -> str:
         # not yet shown to work: the first TP=2 try (2x H200) hung in capture, before the
         # thread-local capture mode below; until a GPU run passes, decode eagerly
         return "tensor parallelism (graphs with the TP collectives inside are unverified)"
-    if cfg.num_moe_experts:
-        return "MoE layers (the token dispatcher synchronizes with the host)"
+    if cfg.num_moe_experts and not all(getattr(m, "generation_dispatcher", None) is not None
+                                       for c in chunks for m in c.modules() if isinstance(m, MoELayer)):
+        return ("MoE layers whose tokens generation cannot dispatch without the host (TE's grouped "
+                "experts, expert-TP > 1 or capacity-limited routing)")
     if cfg.linear_attention is not None:
         return "linear-attention layers (their recurrent state is not captured yet)"
     return ""
@@ -70,7 +78,9 @@ class DecodeGraphs:
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.logits = torch.zeros(rows, vocab, device=device)  # written by every graph
-        self.graphs: dict = {}  # (position, adapters' state) -> torch.cuda.CUDAGraph
+        self.graphs: dict = {}  # (position, adapters' state, recording) -> torch.cuda.CUDAGraph
+        self.routers = routing_replay.moe_routers([chunk])
+        self.routing = None  # each router's static buffer [rows, topk], made on the first recording
         self.pool = None  # one memory pool for all: the graphs never run concurrently
         self.warm = False
         self.failed = ""  # why a capture failed: the steps then run eagerly
@@ -81,17 +91,38 @@ class DecodeGraphs:
 
         return tuple((a.enabled, a.merged) for _, a, _ in lora.adapters_of([self.chunk]))
 
-    def step(self, columns: torch.Tensor, position: int, adapters_state: tuple) -> torch.Tensor:
+    @contextlib.contextmanager
+    def _recording_into_buffers(self, recording: bool):
+        """While capturing with a recording on: each router copies its choice into its static
+        buffer in self.routing (mcore's RouterReplay.set_static_buffer), inside the graph."""
+        if not recording:
+            yield
+            return
+        if self.routing is None:
+            self.routing = [torch.zeros(self.rows, r.topk, dtype=torch.long, device=self.tokens.device)
+                            for r in self.routers]
+        try:
+            for router, buffer in zip(self.routers, self.routing):
+                router.router_replay.set_static_buffer(buffer)
+            yield
+        finally:
+            for router in self.routers:
+                router.router_replay.clear_static_buffer()
+
+    def step(self, columns: torch.Tensor, position: int, adapters_state: tuple,
+             recording: bool = False) -> torch.Tensor:
         """Logits [rows, vocab] after appending `columns` [rows, 1] at `position` (the prefill
         up to `position` went into self.context before; `adapters_state`: adapters_state() of
-        this call)."""
+        this call; `recording`: the routers' choices land in self.routing, one [rows, topk] per
+        router)."""
         self.tokens.copy_(columns)
         self.positions.fill_(position)
-        key = (position, adapters_state)
+        key = (position, adapters_state, recording)
         graph = self.graphs.get(key)
         if graph is None:
             try:
-                graph = self.graphs[key] = self._capture(position)
+                with self._recording_into_buffers(recording):
+                    graph = self.graphs[key] = self._capture(position)
             except RuntimeError as err:  # an op of some model that cannot be captured
                 self.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 raise

@@ -13,7 +13,7 @@ seed gives the same tokens on every rank and at any layout (up to ties in the fl
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -118,13 +118,11 @@ class Generated:
 def generate_traced(strategy, chunks, prompts: list[list[int]], cfg, sampling: SamplingSettings,
                     routing: bool = False, logps: bool = True) -> Generated:
     """generate_batch, with each new token's log-prob and, with `routing`, every MoE layer's
-    choice of experts for every position fed (model/routing_replay.py; decode CUDA graphs are
-    skipped: a replayed graph calls no Python)."""
+    choice of experts for every position fed (model/routing_replay.py; in decode CUDA graphs
+    too, through static buffers)."""
     refuse_too_long(prompts, sampling.max_new_tokens, cfg.seq_length)
     strategy = strategy() if callable(strategy) else strategy
     strategy.refuse_context_parallel("generate")
-    if routing:
-        sampling = replace(sampling, cuda_graphs=False)
     shared = _expert_parallel_share(prompts, cfg)
     if shared is not None:  # every data-parallel rank generates all ranks' prompts
         parts, start = shared
@@ -187,13 +185,17 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
     columns: list[torch.Tensor] = []  # routing of each call: [n, rows, layers, topk]
     record = routing_replay.recording(chunks) if routing else contextlib.nullcontext()
 
-    with record as recorder, next_token_logits(strategy, chunks, cfg, rows, total,
-                                               sampling.cuda_graphs, inputs) as forward:
+    with record as recorder, next_token_logits(strategy, chunks, cfg, rows, total, sampling.cuda_graphs,
+                                               inputs, recording=routing) as forward:
 
         def step(column: torch.Tensor) -> torch.Tensor:
             logits = forward(column)
             if routing:
-                columns.append(_call_routing(recorder.take(), column.shape[1], rows))
+                calls = recorder.take()  # from a graph: only what its capture recorded, stale
+                graphed = forward.graph_routing()
+                if graphed is not None:
+                    calls = [[buffer.clone()] for buffer in graphed]
+                columns.append(_call_routing(calls, column.shape[1], rows))
             return logits
 
         position = min(lengths)

@@ -60,3 +60,10 @@ def inference_mode():
     from megatron.core.inference.utils import InferenceMode
 
     return InferenceMode.active()
+
+
+def is_active() -> bool:
+    """Whether mcore's layers run their inference paths now (inside `inference_mode()`)."""
+    from megatron.core.inference.utils import InferenceMode
+
+    return InferenceMode.is_active()

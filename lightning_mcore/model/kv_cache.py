@@ -41,12 +41,13 @@ class TokenColumns:
 
 @contextlib.contextmanager
 def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool = False,
-                      inputs=None):
+                      inputs=None, recording: bool = False):
     """A CachedForward, with the chunks in eval mode (mcore reads the inference context only
     there; no dropout) and sequence parallelism off (as mcore's own engine does: a one-token
     step cannot be split over tensor-parallel ranks); both restored after. `cuda_graphs`: decode
     steps replay kept CUDA graphs where model/decode_graphs.py can (else eager). `inputs`: what
-    each step feeds the model (default TokenColumns; another runs without graphs)."""
+    each step feeds the model (default TokenColumns; another runs without graphs). `recording`:
+    the routers record their choices (model/routing_replay.py), in graphs too (graph_routing)."""
     from megatron.core.transformer.utils import set_model_to_sequence_parallel
     from megatron.core.utils import unwrap_model
 
@@ -58,7 +59,7 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_gr
             if sequence_parallel:
                 set_model_to_sequence_parallel(unwrap_model(c), False)
         yield CachedForward(strategy, chunks, cfg, rows, max_length, cuda_graphs and inputs is None,
-                            inputs or TokenColumns())
+                            inputs or TokenColumns(), recording)
     finally:
         for c, mode in zip(chunks, training):
             c.train(mode)
@@ -89,14 +90,15 @@ def new_context(chunk, rows: int, max_length: int, device):
 
 class CachedForward:
     def __init__(self, strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool,
-                 inputs: TokenColumns) -> None:
+                 inputs: TokenColumns, recording: bool = False) -> None:
         from lightning_mcore.model import decode_graphs
 
         self.strategy, self.chunks, self.cfg, self.rows = strategy, list(chunks), cfg, rows
-        self.inputs = inputs
+        self.inputs, self.recording = inputs, recording
         device = strategy.root_device
         self.graphs = None
-        if cuda_graphs and not decode_graphs.graphs_unavailable(strategy, cfg):
+        self.graphed = False  # whether the last step replayed a graph
+        if cuda_graphs and not decode_graphs.graphs_unavailable(strategy, cfg, self.chunks):
             (chunk,) = self.chunks
             self.graphs = decode_graphs.decode_graphs(
                 chunk, rows, cfg.vocab_size, max_length, cfg.seq_length,
@@ -120,8 +122,9 @@ class CachedForward:
         if self.length and self.graphs is not None and not self.graphs.failed:
             try:
                 with ic.inference_mode(), reproducible_attention.unfused_attention(self.reproducible):
-                    logits = self.graphs.step(columns, self.length, self.adapters_state)
+                    logits = self.graphs.step(columns, self.length, self.adapters_state, self.recording)
                 self.length += 1
+                self.graphed = True
                 return logits
             except RuntimeError:
                 if not self.graphs.failed:  # not a capture: a real error of the step
@@ -137,6 +140,7 @@ class CachedForward:
             out = self.inputs.forward(model, mb, contexts[id(model)])
             return out, lambda logits: logits[:, -1, :vocab]  # [rows, 1 (or n), vocab]
 
+        self.graphed = False
         micro = [self.inputs.batch(columns, self.length)]
         for context in self.contexts:
             ic.go_to(context, self.length)  # at 0 a kept context starts a new prefill
@@ -146,3 +150,8 @@ class CachedForward:
                                                 (self.rows, vocab))
         self.length += n
         return logits
+
+    def graph_routing(self):
+        """After a step replayed from a graph while recording: each router's [rows, topk] choice
+        (buffers the next step overwrites); else None (the routers' own records hold it)."""
+        return self.graphs.routing if self.graphed and self.recording else None

@@ -32,6 +32,9 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from lightning_mcore.model import inference_context
+from lightning_mcore.model.replicated_tokens import ReplicatedTokensDispatcher, replicates_tokens
+
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
 
 
@@ -157,12 +160,23 @@ def uses_device_counts(dispatcher, config) -> bool:
 
 class TorchGroupedMoELayer(MoELayer):
     """mcore's MoE layer whose dispatcher, where the counts need not reach the host, is the
-    DeviceCountsDispatcher (the same object mcore built; only the host copy is left out)."""
+    DeviceCountsDispatcher (the same object mcore built; only the host copy is left out); while
+    generating, where it can, the ReplicatedTokensDispatcher (model/replicated_tokens.py)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if uses_device_counts(self.token_dispatcher, self.config):
             self.token_dispatcher.__class__ = DeviceCountsDispatcher
+        self.training_dispatcher = self.token_dispatcher
+        self.generation_dispatcher = None
+        if replicates_tokens(self.token_dispatcher, self.config):
+            self.generation_dispatcher = ReplicatedTokensDispatcher(
+                self.num_local_experts, self.local_expert_indices, self.config, self.token_dispatcher)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        generating = self.generation_dispatcher is not None and inference_context.is_active()
+        self.token_dispatcher = self.generation_dispatcher if generating else self.training_dispatcher
+        return super().forward(hidden_states, *args, **kwargs)
 
 
 def with_torch_experts(spec: ModuleSpec) -> ModuleSpec:

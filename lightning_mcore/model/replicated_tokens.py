@@ -1,0 +1,82 @@
+"""The MoE token dispatcher of generation: every rank of the expert-parallel group holds the same
+tokens, so each computes its own experts' share of every token and one all-reduce sums the shares.
+
+Why: mcore's all-to-all dispatcher needs its split sizes on the host, one wait per MoE layer and
+step, which keeps a decode step host-bound and out of CUDA graphs. In generation the tokens are
+replicated anyway: tensor-parallel peers run with sequence parallelism off, and under expert
+parallelism every data-parallel rank generates all ranks' prompts (model/generation.py). Here
+every shape depends only on the token count, nothing reads the device, and the result sums in a
+fixed order: a step can be captured (model/decode_graphs.py).
+
+Each token fills k = min(topk, local experts) slots: its chosen local experts in expert order,
+then empty slots given to the last local expert with router probability 0 (an exact 0 after the
+probability-scaled activation). Slots sorted by expert are the experts' rows:
+
+    slots [T, k]  --sort by expert-->  rows [T*k, h] -> experts (grouped GEMM, device counts)
+    rows  --back to slots-->  [T, k, h] fp32, summed over k  --all-reduce over EP-->  [T, h]
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+
+def replicates_tokens(dispatcher, config) -> bool:
+    """Whether generation may use ReplicatedTokensDispatcher in place of `dispatcher`: experts
+    not split over tensor-parallel ranks, dropless, no shared-expert overlap (which moves the
+    shared experts into the dispatcher) and no latent projection."""
+    return (dispatcher.tp_size == 1 and config.moe_expert_capacity_factor is None
+            and not config.moe_pad_expert_input_to_capacity and not config.moe_shared_expert_overlap
+            and not getattr(config, "moe_latent_size", None)
+            and not getattr(config, "moe_router_padding_for_quantization", False))
+
+
+class ReplicatedTokensDispatcher(MoETokenDispatcher):
+    """For tokens that every rank of the expert-parallel group holds alike (generation only)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, training):
+        """`training`: the layer's own dispatcher, whose process groups this one takes."""
+        groups = SimpleNamespace(ep=training.ep_group, expt_tp=training.tp_group, tp_ep=training.tp_ep_group)
+        super().__init__(config=config, pg_collection=groups)
+        self.first, self.local = local_expert_indices[0], num_local_experts
+        self.slots = min(config.moe_router_topk, num_local_experts)
+
+    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.shape, self.dtype = tokens.shape, tokens.dtype
+        x = tokens.reshape(-1, tokens.shape[-1])
+        n, k = self.local, self.slots
+        chosen = routing_map[:, self.first:self.first + n]  # [T, n] bool
+        # each token's chosen local experts first, in expert order; then its empty slots
+        experts = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :k]  # [T, k]
+        filled = torch.arange(k, device=x.device) < chosen.sum(1, keepdim=True)
+        slot_probs = torch.where(filled, probs[:, self.first:self.first + n].gather(1, experts), 0)
+        experts = torch.where(filled, experts, n - 1).reshape(-1)
+        order = torch.argsort(experts, stable=True)  # the slot of each expert row
+        self.row_of_slot = torch.argsort(order)
+        # rows per expert, counted without reading the device (bincount would size its output there)
+        self.counts = (experts[:, None] == torch.arange(n, device=x.device)).sum(0)
+        self.tokens = x.shape[0]
+        token_of_slot = torch.arange(self.tokens, device=x.device).repeat_interleave(k)
+        return x[token_of_slot[order]], slot_probs.reshape(-1)[order]
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        return hidden_states, self.counts, probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        slots = hidden_states[self.row_of_slot].float()  # a gather: no atomic adds, a fixed sum order
+        return slots.view(self.tokens, self.slots, -1).sum(1)
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            dist.all_reduce(hidden_states, group=self.ep_group)
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.to(self.dtype).view(self.shape)
