@@ -125,7 +125,7 @@ def run_grpo(args) -> None:
                 keep = ("rollout_s", "rollout_tokens_per_s", "train_step_s", "rollout_logp_diff", "rollout_kl",
                         "routing_mismatch", "loss", "reward", "completion_length")
                 print("RESULT " + json.dumps({
-                    "bench": "moe_grpo", "replay": args.replay, "step": trainer.global_step,
+                    "bench": "moe_grpo", "replay": args.replay, "ep": args.ep, "step": trainer.global_step,
                     "logps_s": round(module.logps_s, 3), "peak_gib": [round(p, 2) for p in peaks],
                     **{k: got[f"train/{k}"] for k in keep if f"train/{k}" in got},
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -138,7 +138,7 @@ def run_grpo(args) -> None:
         accelerator="gpu" if gpu else "cpu", devices=2, max_steps=args.steps, precision="bf16-mixed" if gpu else "32-true",
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[Report()],
-        strategy=MegatronStrategy(expert_model_parallel_size=2, global_batch_size=2 * per_rank,
+        strategy=MegatronStrategy(expert_model_parallel_size=args.ep, global_batch_size=2 * per_rank,
                                   micro_batch_size=args.micro_batch),
     )
     module = Timed(args.model, OptimizerSettings(lr=1e-5, warmup_steps=0),
@@ -197,6 +197,7 @@ def main() -> None:
     g = sub.add_parser("grpo")
     g.add_argument("--model", required=True)
     g.add_argument("--replay", choices=("off", "r3"), default="off")
+    g.add_argument("--ep", type=int, default=2, help="expert-parallel size (1: each GPU holds every expert, DP=2)")
     g.add_argument("--steps", type=int, default=3)
     g.add_argument("--prompts", type=int, default=8, help="prompts per rank and step")
     g.add_argument("--generations", type=int, default=8)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 46 on 2 GPUs, one stage per call (each within the device's 10-minute command limit):
 #   test  the GPU generation tests (decode CUDA graphs, a Qwen3-MoE's among them at EP=1 and EP=2)
-#   grpo  make the Qwen3-30B-A3B-shaped 8-layer model, then GRPO + LoRA at EP=2, replay off and r3;
-#         then transformers' generate of the same rollout shape on one GPU (eager, 64 rows)
+#   grpo  make the Qwen3-30B-A3B-shaped 8-layer model, then GRPO + LoRA at EP=1 (DP=2), r3 and off
+#   grpo_ep2  the same at EP=2 (r3); then transformers' generate of the rollout shape on one GPU
+#         (eager, 64 rows)
 #   hf    transformers' generate with the static cache (compiled), 64 rows
 #   8b    configs/grpo_8b_lora.yaml at TP=2 on a random Llama-3.1-8B-shaped checkpoint, 3 steps
 # Results (JSON lines) go to ${OUT:-.}/${TAG}_<stage>.jsonl, logs to ${OUT:-.}/${TAG}_<stage>.log.
@@ -15,11 +16,14 @@ log() { tee -a "$OUT/${TAG}_$stage.log" | grep '^RESULT' | sed 's/^RESULT //' >>
 case $stage in
   test)
     python -m pytest -q -p no:cacheprovider -m gpu tests/test_generation.py 2>&1 | tail -30 | tee "$OUT/${TAG}_test.log" ;;
-  grpo)
+  grpo)  # EP=1 (DP=2, decode CUDA graphs), replay r3 and off
     [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
-    for replay in off r3; do
-      CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --replay $replay --steps 3 2>&1 | log
-    done
+    for replay in r3 off; do
+      CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay $replay --steps 3 2>&1 | log
+    done ;;
+  grpo_ep2)  # EP=2 (eager decode through the generation dispatcher), r3; then transformers eager
+    [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 2 --replay r3 --steps 3 2>&1 | log
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-eager --rows 64 2>&1 | log ;;
   hf)
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-static --rows 64 2>&1 | log ;;

@@ -17,7 +17,9 @@ What a graph bakes in, and how it stays true:
 - routing (GRPO's replay records every MoE layer's experts): mcore's RouterReplay copies them
   into static buffers kept here, read after each replay; whether they are recorded is in the key.
 MoE layers are captured where generation dispatches their tokens without the host
-(model/replicated_tokens.py: torch's grouped experts, expert-TP 1, dropless). Left eager: other
+(model/generation_dispatcher.py: one expert-parallel rank, torch's grouped experts, expert-TP 1,
+dropless; in bf16: torch's grouped GEMM in fp32 copies its offsets to the host, a capture
+fails and those steps run eagerly, with a warning). Left eager: other
 MoE layers (the all-to-all dispatcher copies token counts to the host), pipeline and, until
 shown on GPU, tensor parallelism (see graphs_unavailable).
 """
@@ -48,8 +50,8 @@ def graphs_unavailable(strategy, cfg, chunks) -> str:
         return "tensor parallelism (graphs with the TP collectives inside are unverified)"
     if cfg.num_moe_experts and not all(getattr(m, "generation_dispatcher", None) is not None
                                        for c in chunks for m in c.modules() if isinstance(m, MoELayer)):
-        return ("MoE layers whose tokens generation cannot dispatch without the host (TE's grouped "
-                "experts, expert-TP > 1 or capacity-limited routing)")
+        return ("MoE layers whose tokens generation cannot dispatch without the host (expert "
+                "parallelism, TE's grouped experts, expert-TP > 1 or capacity-limited routing)")
     if cfg.linear_attention is not None:
         return "linear-attention layers (their recurrent state is not captured yet)"
     return ""

@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from lightning_mcore.model import inference_context
-from lightning_mcore.model.replicated_tokens import ReplicatedTokensDispatcher, replicates_tokens
+from lightning_mcore.model.generation_dispatcher import GenerationDispatcher, serves_generation
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
 
@@ -161,7 +161,7 @@ def uses_device_counts(dispatcher, config) -> bool:
 class TorchGroupedMoELayer(MoELayer):
     """mcore's MoE layer whose dispatcher, where the counts need not reach the host, is the
     DeviceCountsDispatcher (the same object mcore built; only the host copy is left out); while
-    generating, where it can, the ReplicatedTokensDispatcher (model/replicated_tokens.py)."""
+    generating, where it can, the GenerationDispatcher (model/generation_dispatcher.py)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -169,8 +169,8 @@ class TorchGroupedMoELayer(MoELayer):
             self.token_dispatcher.__class__ = DeviceCountsDispatcher
         self.training_dispatcher = self.token_dispatcher
         self.generation_dispatcher = None
-        if replicates_tokens(self.token_dispatcher, self.config):
-            self.generation_dispatcher = ReplicatedTokensDispatcher(
+        if serves_generation(self.token_dispatcher, self.config):
+            self.generation_dispatcher = GenerationDispatcher(
                 self.num_local_experts, self.local_expert_indices, self.config, self.token_dispatcher)
 
     def forward(self, hidden_states, *args, **kwargs):

@@ -1,19 +1,21 @@
-"""The MoE token dispatcher of generation: every rank of the expert-parallel group holds the same
-tokens, so each computes its own experts' share of every token and one all-reduce sums the shares.
+"""The MoE token dispatcher of generation, at one expert-parallel rank: no all-to-all, no
+copy of token counts to the host, static shapes.
 
 Why: mcore's all-to-all dispatcher needs its split sizes on the host, one wait per MoE layer and
-step, which keeps a decode step host-bound and out of CUDA graphs. In generation the tokens are
-replicated anyway: tensor-parallel peers run with sequence parallelism off, and under expert
-parallelism every data-parallel rank generates all ranks' prompts (model/generation.py). Here
-every shape depends only on the token count, nothing reads the device, and the result sums in a
-fixed order: a step can be captured (model/decode_graphs.py).
+step, which keeps a decode step host-bound and out of CUDA graphs. Here every shape depends only
+on the token count, nothing reads the device, and the result sums in a fixed order: a step can
+be captured (model/decode_graphs.py). The design extends to expert parallelism, as generation's
+tokens are the same on every rank of the group (sequence parallelism off; every data-parallel
+rank generates all ranks' prompts, model/generation.py): each rank would add its experts' share
+and one all-reduce sum the shares. On CPU that equals the all-to-all; on GPU it did not yet
+(serves_generation), so EP > 1 keeps mcore's dispatcher.
 
 Each token fills k = min(topk, local experts) slots: its chosen local experts in expert order,
 then empty slots given to the last local expert with router probability 0 (an exact 0 after the
 probability-scaled activation). Slots sorted by expert are the experts' rows:
 
     slots [T, k]  --sort by expert-->  rows [T*k, h] -> experts (grouped GEMM, device counts)
-    rows  --back to slots-->  [T, k, h] fp32, summed over k  --all-reduce over EP-->  [T, h]
+    rows  --back to slots-->  [T, k, h] fp32, summed over k  -->  [T, h]
 """
 
 from __future__ import annotations
@@ -21,21 +23,24 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 
-def replicates_tokens(dispatcher, config) -> bool:
-    """Whether generation may use ReplicatedTokensDispatcher in place of `dispatcher`: experts
-    not split over tensor-parallel ranks, dropless, no shared-expert overlap (which moves the
-    shared experts into the dispatcher) and no latent projection."""
-    return (dispatcher.tp_size == 1 and config.moe_expert_capacity_factor is None
+def serves_generation(dispatcher, config) -> bool:
+    """Whether generation may use GenerationDispatcher in place of `dispatcher`: one
+    expert-parallel rank, experts not split over tensor-parallel ranks, dropless, no
+    shared-expert overlap (which moves the shared experts into the dispatcher) and no latent
+    projection. At EP=2 it equals the all-to-all on CPU (fp32 and bf16), but on 2x H200 in
+    bf16 the rollouts' log-probs sat 0.05 from training's with replay (0.004 through mcore's
+    all-to-all, benchmarks/RESULTS.md session 24); until that is understood, EP > 1 keeps
+    mcore's dispatcher."""
+    return (dispatcher.ep_size == 1 and dispatcher.tp_size == 1 and config.moe_expert_capacity_factor is None
             and not config.moe_pad_expert_input_to_capacity and not config.moe_shared_expert_overlap
             and not getattr(config, "moe_latent_size", None)
             and not getattr(config, "moe_router_padding_for_quantization", False))
 
 
-class ReplicatedTokensDispatcher(MoETokenDispatcher):
+class GenerationDispatcher(MoETokenDispatcher):
     """For tokens that every rank of the expert-parallel group holds alike (generation only)."""
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, training):
@@ -74,9 +79,7 @@ class ReplicatedTokensDispatcher(MoETokenDispatcher):
         return slots.view(self.tokens, self.slots, -1).sum(1)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.ep_size > 1:
-            dist.all_reduce(hidden_states, group=self.ep_group)
-        return hidden_states
+        return hidden_states  # one expert-parallel rank: every expert is here
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states.to(self.dtype).view(self.shape)
