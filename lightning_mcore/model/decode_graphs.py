@@ -18,8 +18,8 @@ What a graph bakes in, and how it stays true:
   into static buffers kept here, read after each replay; whether they are recorded is in the key.
 MoE layers are captured where generation dispatches their tokens without the host
 (model/generation_dispatcher.py: one expert-parallel rank, torch's grouped experts, expert-TP 1,
-dropless; in bf16: torch's grouped GEMM in fp32 copies its offsets to the host, a capture
-fails and those steps run eagerly, with a warning). Left eager: other
+dropless), in bf16: in fp32 torch's grouped GEMM copies its offsets to the host, the capture
+fails and those steps run eagerly, with a warning. Left eager: other
 MoE layers (the all-to-all dispatcher copies token counts to the host), pipeline and, until
 shown on GPU, tensor parallelism (see graphs_unavailable).
 """

@@ -41,7 +41,7 @@ def serves_generation(dispatcher, config) -> bool:
 
 
 class GenerationDispatcher(MoETokenDispatcher):
-    """For tokens that every rank of the expert-parallel group holds alike (generation only)."""
+    """Generation's dispatcher of one MoE layer (at one expert-parallel rank: every expert here)."""
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, training):
         """`training`: the layer's own dispatcher, whose process groups this one takes."""
@@ -63,7 +63,8 @@ class GenerationDispatcher(MoETokenDispatcher):
         order = torch.argsort(experts, stable=True)  # the slot of each expert row
         self.row_of_slot = torch.argsort(order)
         # rows per expert, counted without reading the device (bincount would size its output there)
-        self.counts = (experts[:, None] == torch.arange(n, device=x.device)).sum(0)
+        ends = torch.searchsorted(experts[order], torch.arange(n, device=x.device), right=True)
+        self.counts = torch.diff(ends, prepend=ends.new_zeros(1))
         self.tokens = x.shape[0]
         token_of_slot = torch.arange(self.tokens, device=x.device).repeat_interleave(k)
         return x[token_of_slot[order]], slot_probs.reshape(-1)[order]
@@ -75,8 +76,8 @@ class GenerationDispatcher(MoETokenDispatcher):
         return hidden_states, self.counts, probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        slots = hidden_states[self.row_of_slot].float()  # a gather: no atomic adds, a fixed sum order
-        return slots.view(self.tokens, self.slots, -1).sum(1)
+        slots = hidden_states[self.row_of_slot]  # a gather: no atomic adds, a fixed sum order
+        return slots.view(self.tokens, self.slots, -1).sum(1, dtype=torch.float32)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states  # one expert-parallel rank: every expert is here
