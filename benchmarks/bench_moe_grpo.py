@@ -1,6 +1,7 @@
 """MoE GRPO on GPU (issue 46): a Qwen3-30B-A3B-shaped model cut to a few layers (random bf16
-weights, saved as an HF checkpoint), GRPO with LoRA at EP=2, with and without routing replay; and
-the same rollout shape through transformers' `generate` on one GPU.
+weights, saved as an HF checkpoint), GRPO with LoRA at EP=2 (or `--ep 1`: DP=2, each GPU holding
+every expert), with and without routing replay; and the same rollout shape through transformers'
+`generate` on one GPU.
 
     python benchmarks/bench_moe_grpo.py make --out /tmp/moe --layers 8
     python benchmarks/bench_moe_grpo.py grpo --model /tmp/moe --replay off      # 2 GPUs (Lightning's launcher)

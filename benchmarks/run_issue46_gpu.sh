@@ -21,7 +21,8 @@ case $stage in
     for replay in r3 off; do
       CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay $replay --steps 3 2>&1 | log
     done ;;
-  grpo_ep2)  # EP=2 (eager decode through the generation dispatcher), r3; then transformers eager
+  grpo_ep2)  # EP=2 (eager decode; mcore's all-to-all since generation's dispatcher serves EP=1 only), r3;
+             # then transformers eager
     [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 2 --replay r3 --steps 3 2>&1 | log
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-eager --rows 64 2>&1 | log ;;

@@ -10,12 +10,11 @@ rank generates all ranks' prompts, model/generation.py): each rank would add its
 and one all-reduce sum the shares. On CPU that equals the all-to-all; on GPU it did not yet
 (serves_generation), so EP > 1 keeps mcore's dispatcher.
 
-Each token fills k = min(topk, local experts) slots: its chosen local experts in expert order,
-then empty slots given to the last local expert with router probability 0 (an exact 0 after the
-probability-scaled activation). Slots sorted by expert are the experts' rows:
+Each token's k = topk chosen experts are its slots, in expert order. Slots sorted by expert are
+the experts' rows:
 
     slots [T, k]  --sort by expert-->  rows [T*k, h] -> experts (grouped GEMM, device counts)
-    rows  --back to slots-->  [T, k, h] fp32, summed over k  -->  [T, h]
+    rows  --back to slots-->  [T, k, h], summed over k in fp32  -->  [T, h]
 """
 
 from __future__ import annotations
@@ -43,31 +42,28 @@ def serves_generation(dispatcher, config) -> bool:
 class GenerationDispatcher(MoETokenDispatcher):
     """Generation's dispatcher of one MoE layer (at one expert-parallel rank: every expert here)."""
 
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, training):
+    def __init__(self, config, training):
         """`training`: the layer's own dispatcher, whose process groups this one takes."""
         groups = SimpleNamespace(ep=training.ep_group, expt_tp=training.tp_group, tp_ep=training.tp_ep_group)
         super().__init__(config=config, pg_collection=groups)
-        self.first, self.local = local_expert_indices[0], num_local_experts
-        self.slots = min(config.moe_router_topk, num_local_experts)
+        self.slots = config.moe_router_topk
 
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.shape, self.dtype = tokens.shape, tokens.dtype
         x = tokens.reshape(-1, tokens.shape[-1])
-        n, k = self.local, self.slots
-        chosen = routing_map[:, self.first:self.first + n]  # [T, n] bool
-        # each token's chosen local experts first, in expert order; then its empty slots
-        experts = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)[:, :k]  # [T, k]
-        filled = torch.arange(k, device=x.device) < chosen.sum(1, keepdim=True)
-        slot_probs = torch.where(filled, probs[:, self.first:self.first + n].gather(1, experts), 0)
-        experts = torch.where(filled, experts, n - 1).reshape(-1)
+        # each token's chosen experts (routing_map [T, experts] bool), in expert order
+        experts = torch.argsort((~routing_map).to(torch.int8), dim=1, stable=True)[:, :self.slots]
+        # a slot on an expert not chosen (a row of fewer than topk) weighs 0
+        slot_probs = torch.where(routing_map.gather(1, experts), probs.gather(1, experts), 0).reshape(-1)
+        experts = experts.reshape(-1)
         order = torch.argsort(experts, stable=True)  # the slot of each expert row
         self.row_of_slot = torch.argsort(order)
         # rows per expert, counted without reading the device (bincount would size its output there)
-        ends = torch.searchsorted(experts[order], torch.arange(n, device=x.device), right=True)
+        ends = torch.searchsorted(experts[order], torch.arange(routing_map.shape[1], device=x.device), right=True)
         self.counts = torch.diff(ends, prepend=ends.new_zeros(1))
         self.tokens = x.shape[0]
-        token_of_slot = torch.arange(self.tokens, device=x.device).repeat_interleave(k)
-        return x[token_of_slot[order]], slot_probs.reshape(-1)[order]
+        token_of_slot = torch.arange(self.tokens, device=x.device).repeat_interleave(self.slots)
+        return x[token_of_slot[order]], slot_probs[order]
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         return hidden_states, probs

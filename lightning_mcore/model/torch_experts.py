@@ -170,8 +170,7 @@ class TorchGroupedMoELayer(MoELayer):
         self.training_dispatcher = self.token_dispatcher
         self.generation_dispatcher = None
         if serves_generation(self.token_dispatcher, self.config):
-            self.generation_dispatcher = GenerationDispatcher(
-                self.num_local_experts, self.local_expert_indices, self.config, self.token_dispatcher)
+            self.generation_dispatcher = GenerationDispatcher(self.config, self.token_dispatcher)
 
     def forward(self, hidden_states, *args, **kwargs):
         generating = self.generation_dispatcher is not None and inference_context.is_active()
