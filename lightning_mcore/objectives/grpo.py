@@ -187,7 +187,7 @@ class GRPOModule(MegatronModule):
         self.num_iterations, self.offload_reference = num_iterations, offload_reference
         self.importance_level, self.overlong, self.dynamic_sampling = importance_level, overlong, dynamic_sampling
         self._reference: Optional[FrozenModel] = None  # beta > 0, no LoRA: the starting weights
-        self._routing_counts: Optional[torch.Tensor] = None  # (differing, all) this step, or None
+        self._routing_counts: Optional[torch.Tensor] = None  # (differing, all) during a counted step
         self._routers: Optional[dict] = None  # routing_replay.routers_by_chunk, on first use
         self._rollout: Optional[Rollout] = None
 
@@ -378,9 +378,12 @@ class GRPOModule(MegatronModule):
         self._routing_counts = (torch.zeros(2, dtype=torch.float64)
                                 if rollout.steps == 0 and "routing" in batch and self._replay_off else None)
         rollout.steps += 1
-        loss = super().training_step(batch, 0)
-        if self._routing_counts is not None:
-            self._log_routing_mismatch(self._routing_counts)
+        try:
+            loss = super().training_step(batch, 0)
+            if self._routing_counts is not None:
+                self._log_routing_mismatch(self._routing_counts)
+        finally:
+            self._routing_counts = None  # counted in this step's forward passes only
         return loss
 
     @property
