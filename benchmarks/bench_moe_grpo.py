@@ -127,6 +127,7 @@ def run_grpo(args) -> None:
                         "routing_mismatch", "loss", "reward", "completion_length")
                 print("RESULT " + json.dumps({
                     "bench": "moe_grpo", "replay": args.replay, "ep": args.ep, "step": trainer.global_step,
+                    "precision": precision, "fp32_logits": args.fp32_logits == "on",
                     "logps_s": round(module.logps_s, 3), "peak_gib": [round(p, 2) for p in peaks],
                     **{k: got[f"train/{k}"] for k in keep if f"train/{k}" in got},
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -135,8 +136,9 @@ def run_grpo(args) -> None:
 
     gpu = torch.cuda.is_available() and not args.tiny
     per_rank = args.prompts * args.generations
+    precision = args.precision if gpu else "32-true"
     trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu", devices=2, max_steps=args.steps, precision="bf16-mixed" if gpu else "32-true",
+        accelerator="gpu" if gpu else "cpu", devices=2, max_steps=args.steps, precision=precision,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=[Report()],
         strategy=MegatronStrategy(expert_model_parallel_size=args.ep, global_batch_size=2 * per_rank,
@@ -148,7 +150,7 @@ def run_grpo(args) -> None:
                    reward_funcs=[varied],
                    num_generations=args.generations, max_completion_length=args.new, beta=0.04,
                    sampling=GRPOSampling(temperature=1.0, seed=0),
-                   correction=RolloutCorrection(routing_replay=args.replay))
+                   correction=RolloutCorrection(routing_replay=args.replay, fp32_logits=args.fp32_logits == "on"))
     vocab = module.model_config.vocab_size
     trainer.fit(module, Prompts(args.prompts, vocab))
 
@@ -200,6 +202,8 @@ def main() -> None:
     g.add_argument("--replay", choices=("off", "r3"), default="off")
     g.add_argument("--ep", type=int, default=2, help="expert-parallel size (1: each GPU holds every expert, DP=2)")
     g.add_argument("--steps", type=int, default=3)
+    g.add_argument("--fp32-logits", choices=("on", "off"), default="on", help="RolloutCorrection.fp32_logits")
+    g.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
     g.add_argument("--prompts", type=int, default=8, help="prompts per rank and step")
     g.add_argument("--generations", type=int, default=8)
     g.add_argument("--prompt-length", type=int, default=128)

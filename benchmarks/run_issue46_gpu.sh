@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Issue 46 on 2 GPUs, one stage per call (each within the device's 10-minute command limit):
-#   test  the GPU generation tests (decode CUDA graphs, a Qwen3-MoE's among them at EP=1 and EP=2)
-#   grpo  make the Qwen3-30B-A3B-shaped 8-layer model, then GRPO + LoRA at EP=1 (DP=2), r3 and off
+#   test  the GPU generation tests (decode CUDA graphs: TE at TP=1 and TP=2, a Qwen3-MoE at EP=1) and
+#         fp32 logits on CUDA
+#   grpo  make the Qwen3-30B-A3B-shaped 8-layer model, then GRPO + LoRA at EP=1 (DP=2), r3, with
+#         fp32 logits (RolloutCorrection's default) and without
+#   grpo_fp32  the same in fp32 (r3, 64 new tokens, eager decode): the mismatch without bf16; then
+#         a profile of the second bf16 rollout (decode steps from CUDA graphs)
 #   grpo_ep2  the same at EP=2 (r3); then transformers' generate of the rollout shape on one GPU
 #         (eager, 64 rows)
 #   hf    transformers' generate with the static cache (compiled), 64 rows
@@ -9,18 +13,26 @@
 # Results (JSON lines) go to ${OUT:-.}/${TAG}_<stage>.jsonl, logs to ${OUT:-.}/${TAG}_<stage>.log.
 set -uo pipefail
 OUT=${OUT:-.}
-TAG=${TAG:-s24}
+TAG=${TAG:-s25}
 stage=$1
 MODEL=/tmp/moe_a3b_8l
 log() { tee -a "$OUT/${TAG}_$stage.log" | grep '^RESULT' | sed 's/^RESULT //' >> "$OUT/${TAG}_$stage.jsonl"; }
 case $stage in
   test)
-    python -m pytest -q -p no:cacheprovider -m gpu tests/test_generation.py 2>&1 | tail -30 | tee "$OUT/${TAG}_test.log" ;;
-  grpo)  # EP=1 (DP=2, decode CUDA graphs), replay r3 and off
+    timeout 540 python -m pytest -p no:cacheprovider -m gpu -rA tests/test_generation.py tests/test_fp32_logits.py \
+      > "$OUT/${TAG}_test.log" 2>&1; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/${TAG}_test.log" ;;
+  grpo)  # EP=1 (DP=2, decode CUDA graphs), replay r3, fp32 logits on and off
     [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
-    for replay in r3 off; do
-      CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay $replay --steps 3 2>&1 | log
+    for logits in on off; do
+      CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 \
+        --fp32-logits $logits --steps 3 2>&1 | log
     done ;;
+  grpo_fp32)  # fp32 (eager decode: torch's grouped GEMM is not captured in fp32), r3; then the profile
+    [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 \
+      --precision 32-true --new 64 --steps 2 2>&1 | log
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 \
+      --steps 2 --profile "$OUT/${TAG}_rollout_profile.txt" 2>&1 | log ;;
   grpo_ep2)  # EP=2 (eager decode; mcore's all-to-all since generation's dispatcher serves EP=1 only), r3;
              # then transformers eager
     [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2

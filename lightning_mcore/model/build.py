@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from lightning_mcore.model import fp32_logits
 from lightning_mcore.model.attention import SDPAttention
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.gated_delta_net import with_linear_attention
@@ -143,6 +144,8 @@ def build_chunks(cfg: GPTConfig, tf_config, use_te: bool, padded_vocab: Optional
         _unmark_sequence_parallel_experts(model)
         if fuse_wgrad:
             fuse_wgrad_accumulation(model)
+        if cfg.fp32_logits and model.post_process:
+            fp32_logits.install(model.output_layer)
         if model.post_process and (padded_vocab or cfg.padded_vocab_size(tp)) > cfg.vocab_size:
             model.output_layer.register_forward_hook(_mask_padded_vocab(cfg.vocab_size))
         chunks.append(model)

@@ -166,6 +166,10 @@ class GPTConfig:
     # mismatch, model/routing_replay.py); set by the objective, not a property of the weights.
     # TE's fused router kernel, which would skip the replay, is then not used.
     moe_routing_replay: bool = False
+    # The LM head's logits accumulated and returned in fp32, not rounded to bf16
+    # (model/fp32_logits.py): generation and training then agree closer on log-probs. Set by the
+    # objective (GRPO's RolloutCorrection.fp32_logits), not a property of the weights.
+    fp32_logits: bool = False
     # Execution
     transformer_impl: TransformerImpl = "auto"
     # Activation recompute (GPU; checks: strategy/memory.py). "full" recomputes whole layers:

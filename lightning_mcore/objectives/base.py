@@ -57,8 +57,10 @@ class MegatronModule(L.LightningModule):
                                  f"takes one with a {self.output_head!r} head (export it to HF to change heads).")
             self.init_checkpoint, self.hf_path, self.hf_family = str(model), saved.hf_path, saved.hf_family
             self.tokenizer_path = saved.tokenizer_path
-            # routers that record and replay are the objective's choice (GRPO's), not the weights'
+            # routers that record and replay, and fp32 logits, are the objective's choice (GRPO's),
+            # not the weights'
             self.model_config = dataclasses.replace(saved.config, **{"moe_routing_replay": False,
+                                                                     "fp32_logits": False,
                                                                      **(model_overrides or {})})
         elif isinstance(model, (str, os.PathLike)):
             self.hf_path = str(model)

@@ -77,10 +77,13 @@ class RolloutCorrection:
     rollout routes each token to the experts it was routed to while generating; "off": the
     routers choose again. `tis_cap` > 0: token-level truncated importance sampling, each token's
     policy loss weighted by min(pi_old / pi_rollout, tis_cap) (for rollouts sampled in another
-    precision or engine); 0: off."""
+    precision or engine); 0: off. `fp32_logits`: the LM head's logits kept in fp32 in every pass
+    (generation, log-probs, training; model/fp32_logits.py), not rounded to bf16, which would move
+    a log-prob by a rounding step whenever two passes differ in a last bit."""
 
     routing_replay: Literal["off", "r3"] = "off"
     tis_cap: float = 0.0
+    fp32_logits: bool = True
 
     def __post_init__(self) -> None:
         if self.routing_replay not in ("off", "r3"):
@@ -130,6 +133,7 @@ class GRPOModule(MegatronModule):
     ) -> None:
         super().__init__(model, optim, model_overrides, lora)
         self.correction = correction or RolloutCorrection()
+        self.model_config = replace(self.model_config, fp32_logits=self.correction.fp32_logits)
         if self.model_config.num_moe_experts:  # routers that record (mismatch) and replay
             self.model_config = replace(self.model_config, moe_routing_replay=True)
         elif self.correction.routing_replay != "off":
