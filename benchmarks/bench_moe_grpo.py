@@ -202,7 +202,7 @@ def main() -> None:
     g.add_argument("--replay", choices=("off", "r3"), default="off")
     g.add_argument("--ep", type=int, default=2, help="expert-parallel size (1: each GPU holds every expert, DP=2)")
     g.add_argument("--steps", type=int, default=3)
-    g.add_argument("--fp32-logits", choices=("on", "off"), default="on", help="RolloutCorrection.fp32_logits")
+    g.add_argument("--fp32-logits", choices=("on", "off"), default="off", help="RolloutCorrection.fp32_logits")
     g.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
     g.add_argument("--prompts", type=int, default=8, help="prompts per rank and step")
     g.add_argument("--generations", type=int, default=8)

@@ -4,7 +4,7 @@
   run at TP=2 + sequence parallelism with it trains as a TP=1 run with mcore's head;
 - bf16 weights: its logits are the float64 product of the bf16 operands to fp32 precision, where
   mcore's head rounds them to bf16 (a step of 1/16 near 10); its gradients are bf16 gradients;
-- GRPO turns it on by default (RolloutCorrection.fp32_logits), and off on request.
+- GRPO turns it on where asked (RolloutCorrection.fp32_logits).
 """
 
 import pytest
@@ -85,7 +85,7 @@ def test_tp2_sequence_parallel_with_fp32_logits_trains_as_tp1(tmp_path):
     assert abs(plain[0] - plain[-1]) > 1e-3  # the updates moved the loss
 
 
-def test_grpo_keeps_logits_in_fp32_unless_told_not_to():
+def test_grpo_keeps_logits_in_fp32_when_told():
     tokenizer = str(ROOT / "configs/sample_data/tiny-llama")
-    assert GRPOModule(tokenizer).model_config.fp32_logits
-    assert not GRPOModule(tokenizer, correction=RolloutCorrection(fp32_logits=False)).model_config.fp32_logits
+    assert not GRPOModule(tokenizer).model_config.fp32_logits
+    assert GRPOModule(tokenizer, correction=RolloutCorrection(fp32_logits=True)).model_config.fp32_logits

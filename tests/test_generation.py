@@ -245,20 +245,6 @@ def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
     assert got["greedy"] == hf_greedy(hf)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_decode_cuda_graphs_at_tp2_on_gpu(tmp_path):
-    """At TP=2 (TE, fp32) the decode steps are captured with the row-parallel all-reduces and the
-    logits' all-gather inside: greedy tokens as without a cache, as eager decoding and as
-    transformers; seeded sampling reproducible; both ranks the same."""
-    source = tmp_path / "llama"
-    hf = make_hf_model("llama", source)
-    got = run(tmp_path, str(source), 2, "gpu_tp2", accelerator="gpu", tensor_model_parallel_size=2)
-    check_one_layout(got)
-    assert got["graphs"] >= NEW - 1
-    assert got["greedy"] == hf_greedy(hf)
-
-
 class OutputPositions(L.Callback):
     """The positions (rows of [seq, batch, hidden]) of each forward that reach the output layer
     while the batch's prompts are generated."""

@@ -158,12 +158,14 @@ def test_hf_logits_and_export_with_torch_experts(family, layout, tmp_path):
     assert config.torch_experts  # the run above took torch's kernel ('auto')
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+@pytest.mark.parametrize("stacked", [False, True, "back_to_back"], ids=["list", "stacked", "back_to_back"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
 def test_grouped_linear_gradients_match_per_expert_linears(frozen, stacked, monkeypatch):
     """The grouped GEMM's backward against autograd through one F.linear per expert; frozen
     experts (LoRA) get no weight gradient and skip its GEMM (2 grouped GEMMs, not 3). `stacked`:
-    the weights as one [E, out, in] tensor (LoRA adapters), StackedExpertLinear."""
+    the weights as one [E, out, in] tensor (LoRA adapters), StackedExpertLinear;
+    "back_to_back": per-expert weights that are views of one tensor (as TorchGroupedMLP lays
+    them out), read in place."""
     from lightning_mcore.model import torch_experts
     from lightning_mcore.model.torch_experts import GroupedExpertLinear, StackedExpertLinear
 
@@ -177,6 +179,10 @@ def test_grouped_linear_gradients_match_per_expert_linears(frozen, stacked, monk
     weights = [torch.randn(8, 16, generator=gen, requires_grad=not frozen) for _ in counts]
     dy = torch.randn(sum(counts), 8, generator=gen)
     offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    if stacked == "back_to_back":
+        torch_experts.lay_out_back_to_back(weights)
+        assert torch_experts.stacked(weights).data_ptr() == weights[0].data_ptr()  # no copy
+        stacked = False
     if stacked:
         weight = torch.stack(weights).detach().requires_grad_(not frozen)
         y = StackedExpertLinear.apply(x, offsets, weight)
@@ -208,3 +214,33 @@ def test_sequential_mlp_checkpoint_resumes_under_the_defaults(tmp_path):
     resumed = fit_with_checkpoints(tmp_path, "resumed", 1, ckpt_path=saved, config=moe(vocab_size=512))
     assert moe(vocab_size=512).torch_experts and len(resumed) == 3
     assert resumed == pytest.approx(straight[3:], rel=0, abs=1e-5)
+
+
+def test_expert_weights_are_read_in_place_until_moved():
+    """TorchGroupedMLP lays its experts' weights out back to back: the grouped GEMM's operand is
+    a view of them (the same memory, the same values as stacking them). A weight moved elsewhere
+    (as mcore's DDP moves trained ones into its buffer) makes `stacked` copy again, the new
+    values included."""
+    from lightning_mcore.export_checkpoint import single_process_megatron
+    from lightning_mcore.model.build import build_chunks
+    from lightning_mcore.model.config import to_transformer_config
+    from lightning_mcore.model.torch_experts import TorchGroupedMLP, stacked
+
+    cfg = moe(num_layers=1, moe_grouped_gemm=True, moe_grouped_gemm_backend="torch")
+    with single_process_megatron():
+        tf_config = to_transformer_config(cfg, ParallelConfig(), torch.float32, on_cpu=True, use_te=False)
+        (chunk,) = build_chunks(cfg, tf_config, use_te=False)
+    experts = chunk.decoder.layers[0].mlp.experts
+    assert isinstance(experts, TorchGroupedMLP)
+    for name in ("linear_fc1", "linear_fc2"):
+        weights = [getattr(e, name).weight for e in experts.local_experts]
+        view = stacked(weights)
+        assert view.data_ptr() == weights[0].data_ptr() and not view.requires_grad
+        assert torch.equal(view, torch.stack([w.detach() for w in weights]))
+        with torch.no_grad():
+            weights[1].mul_(2.0)  # an in-place update (an optimizer step) is seen through the view
+        assert torch.equal(view[1], weights[1].detach())
+        weights[2].data = weights[2].data + 1.0  # moved to new memory
+        copy = stacked(weights)
+        assert copy.data_ptr() != weights[0].data_ptr()
+        assert torch.equal(copy, torch.stack([w.detach() for w in weights]))

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (GPU, PP=1; tensor parallelism's collectives inside).
+"""Decode steps replayed from CUDA graphs (GPU, TP=1 and PP=1).
 
 An eager decode step of a 1B Llama shape costs ~35 ms of host time on an H100 (the mcore and TE
 modules' Python), against ~2 ms for the same kernels replayed from a CUDA graph (measured, see
@@ -20,9 +20,8 @@ MoE layers are captured where generation dispatches their tokens without the hos
 (model/generation_dispatcher.py: one expert-parallel rank, torch's grouped experts, expert-TP 1,
 dropless), in bf16: in fp32 torch's grouped GEMM copies its offsets to the host, the capture
 fails and those steps run eagerly, with a warning. Left eager: other
-MoE layers (the all-to-all dispatcher copies token counts to the host) and pipeline parallelism
-(see graphs_unavailable). At TP > 1 a graph holds the step's NCCL collectives (the row-parallel
-all-reduces, the logits' all-gather), captured in thread-local mode as mcore captures them.
+MoE layers (the all-to-all dispatcher copies token counts to the host), pipeline and tensor
+parallelism (see graphs_unavailable).
 """
 
 from __future__ import annotations
@@ -45,6 +44,11 @@ def graphs_unavailable(strategy, cfg, chunks) -> str:
         return "not on a GPU"
     if strategy.parallel.pipeline_model_parallel_size > 1:
         return "pipeline parallelism (each step crosses stages through the schedule)"
+    if strategy.parallel.tensor_model_parallel_size > 1:
+        # not shown to work: TP=2 captures failed on 2x H200 twice (first: hung in capture;
+        # session 25, with thread-local capture: tests/test_generation.py's TP=2 decode failed and
+        # its ranks hung, the message not recovered); decode eagerly until a GPU run passes
+        return "tensor parallelism (graphs with the TP collectives inside failed on GPU)"
     if cfg.num_moe_experts and not all(getattr(m, "generation_dispatcher", None) is not None
                                        for c in chunks for m in c.modules() if isinstance(m, MoELayer)):
         return ("MoE layers whose tokens generation cannot dispatch without the host (expert "

@@ -78,12 +78,14 @@ class RolloutCorrection:
     routers choose again. `tis_cap` > 0: token-level truncated importance sampling, each token's
     policy loss weighted by min(pi_old / pi_rollout, tis_cap) (for rollouts sampled in another
     precision or engine); 0: off. `fp32_logits`: the LM head's logits kept in fp32 in every pass
-    (generation, log-probs, training; model/fp32_logits.py), not rounded to bf16, which would move
-    a log-prob by a rounding step whenever two passes differ in a last bit."""
+    (generation, log-probs, training; model/fp32_logits.py), not rounded to bf16, which moves a
+    log-prob by a rounding step wherever two passes differ in a last bit: the larger the logits,
+    the larger the step (MiniMax-M1's fix). Off by default: on the random-weight Qwen3-30B-A3B
+    shape it changed the mismatch by 1% at 12% more training time (benchmarks/RESULTS.md)."""
 
     routing_replay: Literal["off", "r3"] = "off"
     tis_cap: float = 0.0
-    fp32_logits: bool = True
+    fp32_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.routing_replay not in ("off", "r3"):
