@@ -7,6 +7,7 @@ logits and the merged export equals peft's merge_and_unload; the rank refusal na
 import dataclasses
 import json
 
+import lightning as L
 import pytest
 import torch
 
@@ -21,8 +22,26 @@ TORCH_EXPERTS = {"moe_grouped_gemm": True, "moe_grouped_gemm_backend": "torch"}
 EXPERTS_ONLY = LoRAConfig(target_modules=["gate_proj", "up_proj", "down_proj"], rank=8, alpha=16.0)
 
 
+class ExpertsReadInPlace(L.Callback):
+    """After training: for each torch-experts linear, whether the grouped GEMM still reads the
+    frozen experts' weights in place (they stayed back to back through the strategy's setup)."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, module):
+        from lightning_mcore.model.torch_experts import TorchGroupedMLP, stacked
+
+        in_place = [stacked(w).data_ptr() == w[0].data_ptr()
+                    for chunk in module.chunks for m in chunk.modules() if isinstance(m, TorchGroupedMLP)
+                    for w in ([getattr(e, n).weight for e in m.local_experts] for n in ("linear_fc1", "linear_fc2"))]
+        if trainer.global_rank == 0:
+            self.out.write_text(json.dumps(in_place))
+
+
 @pytest.mark.distributed
 def test_expert_lora_on_torch_experts_trains_as_sequential_mlp(tmp_path):
+    """Also: the frozen experts are read in place (no per-GEMM copy) after the strategy's setup."""
     source = tmp_path / "source"
     make_hf_model("qwen3_moe", source, num_experts=8)
     optim = dataclasses.replace(SGD, lr=5.0, clip_grad=0.03)  # clipped: the norm counts too
@@ -31,9 +50,12 @@ def test_expert_lora_on_torch_experts_trains_as_sequential_mlp(tmp_path):
             ("sequential", 1, {}, {}), ("torch", 1, TORCH_EXPERTS, {}),
             ("torch_ep2", 2, TORCH_EXPERTS, dict(expert_model_parallel_size=2)),
             ("torch_etp2", 2, TORCH_EXPERTS, dict(expert_tensor_parallel_size=2))]:
+        callbacks = (ExpertsReadInPlace(tmp_path / "in_place.json"),) if name == "torch" else ()
         runs[name] = fit(tmp_path, devices=devices, steps=3, gbs=4, mbs=1, config=str(source), optim=optim,
                          module_kwargs={"lora": EXPERTS_ONLY, "model_overrides": overrides}, name=name,
-                         dataset=TokenRows(n=4, seq=16, vocab=200), **parallel)  # one batch, repeated
+                         dataset=TokenRows(n=4, seq=16, vocab=200), callbacks=callbacks, **parallel)
+    in_place = json.loads((tmp_path / "in_place.json").read_text())
+    assert len(in_place) >= 2 and all(in_place), in_place  # each MoE layer: fc1, fc2
     reference = runs.pop("sequential")
     assert reference[0] - reference[-1] > 1e-2, reference
     for name, losses in runs.items():
