@@ -52,6 +52,13 @@ def boxed_answer(prompts: Sequence, completions: Sequence[str], answer: Sequence
     return out
 
 
+def contains_number(prompts: Sequence, completions: Sequence[str], **_: Any) -> list[float]:
+    """1.0 where the completion holds a number at all (what "Answer with a number." asks), else
+    0.0: a format reward, learnable by a model that cannot do the arithmetic yet (the bundled
+    tiny base: configs/grpo.yaml)."""
+    return [float(_NUMBER.search(c) is not None) for c in completions]
+
+
 # A reasoning block, then the answer: "<think>...</think> ... \boxed{...}" (DeepSeek-R1 style).
 THINK_THEN_BOXED = r"(?s)^\s*<think>.+?</think>.*\\boxed\{.+\}.*$"
 

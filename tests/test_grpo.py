@@ -17,7 +17,7 @@ from hf_models import make_hf_model
 from lightning_mcore import GRPOSampling, LoRAConfig, MegatronStrategy, OptimizerSettings
 from lightning_mcore.objectives.grpo import GRPOModule, Rollout
 from lightning_mcore.objectives.grpo_loss import group_advantages, normalized, token_terms
-from lightning_mcore.rewards import boxed_answer, format_reward
+from lightning_mcore.rewards import boxed_answer, contains_number, format_reward
 from toy import tiny_config
 
 ROOT = Path(__file__).parents[1]
@@ -233,6 +233,7 @@ def test_builtin_rewards():
     assert boxed_answer([None] * 4, completions, answer=["1000", "14", "3", "\\frac{1}{2}"]) == [1.0, 1.0, 0.0, 1.0]
     assert boxed_answer([None], ["\\boxed{13} and later 14"], answer=["14"]) == [0.0]  # boxed wins
     assert format_reward([None] * 2, ["<think>a</think> so \\boxed{2}", "\\boxed{2}"]) == [1.0, 0.0]
+    assert contains_number([None] * 4, ["it is 7", "seven", "-.5 then", "x2y"]) == [1.0, 0.0, 1.0, 1.0]
 
 
 # ------------------------------------------------------------------ refusals
