@@ -24,9 +24,9 @@ from lightning_mcore.data.feeding import DataParallelDataModule
 
 
 class ChatDataModule(DataParallelDataModule):
-    """Subclasses give ``_format`` (their record format, read from the hyperparameters),
-    ``_tokenize`` and ``_build``; their ``__init__`` keeps its own arguments and passes these on,
-    so that the hyperparameters saved are the subclass's."""
+    """Subclasses give ``_format``, ``_tokenize`` (the tokenized dataset, cached: ``_map``) and
+    ``_build`` (``train_dataset``, ``val_dataset`` and ``stats`` from it); their ``__init__``
+    keeps its own arguments and passes these on, so that the hyperparameters saved are theirs."""
 
     def __init__(self, paths: Union[str, list[str]], tokenizer: str, seq_length: Any,
                  val_split: float, chat_template: Optional[str]) -> None:
@@ -46,14 +46,6 @@ class ChatDataModule(DataParallelDataModule):
     def _format(self, column_names: list[str]) -> Any:
         """The record format (``ChatFormat``, ``PairFormat``...) for a dataset of these columns:
         it refuses missing columns and reads records with ``read(record, index)``."""
-        raise NotImplementedError
-
-    def _tokenize(self) -> Any:
-        """The tokenized dataset (cached: ``map_cached``)."""
-        raise NotImplementedError
-
-    def _build(self, tokenized: Any) -> None:
-        """Set ``train_dataset``, ``val_dataset`` and ``stats`` from the tokenized dataset."""
         raise NotImplementedError
 
     def prepare_data(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lightning_mcore.data.chat import ChatFormat
+from lightning_mcore.data.chat import ChatFormat, field_names
 from lightning_mcore.data.two_rows import TwoRowDataModule, add_sides, empty_batch, tokenize_sides
 
 log = logging.getLogger(__name__)
@@ -49,10 +49,7 @@ class PairFormat:
     ) -> "PairFormat":
         """Check the dataset's columns up front; ``columns={"prompt": None}`` ignores a prompt
         column (when ``chosen``/``rejected`` hold whole conversations)."""
-        unknown = sorted(set(columns or {}) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"columns maps unknown fields {unknown}: the fields are {FIELDS}")
-        names: dict = {field: field for field in FIELDS} | dict(columns or {})
+        names = field_names(FIELDS, columns)
         have = list(column_names)
         for side in SIDES:
             if names[side] not in have:
@@ -62,8 +59,8 @@ class PairFormat:
                 )
         if names["prompt"] not in have:
             names["prompt"] = None
-        turns = {"role": names.pop("role"), "content": names.pop("content")}
-        return cls(names, ChatFormat("messages", turns, dict(roles or {})))
+        chat = ChatFormat.of_turns(names, roles)  # takes role and content out of names
+        return cls(names, chat)
 
     @property
     def record_columns(self) -> list[str]:

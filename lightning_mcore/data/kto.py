@@ -29,7 +29,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import Dataset
 
 from lightning_mcore.data import peek
-from lightning_mcore.data.chat import ChatFormat
+from lightning_mcore.data.chat import ChatFormat, field_names
 from lightning_mcore.data.two_rows import (
     RowsWith,
     TwoRowDataModule,
@@ -98,10 +98,7 @@ class UnpairedFormat:
         roles: Optional[Mapping[str, str]] = None,
     ) -> "UnpairedFormat":
         """Check the dataset's columns up front: a missing one is named with the fix."""
-        unknown = sorted(set(columns or {}) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"columns maps unknown fields {unknown}: the fields are {FIELDS}")
-        names: dict = {field: field for field in FIELDS} | dict(columns or {})
+        names = field_names(FIELDS, columns)
         have = list(column_names)
         for field, what in REQUIRED.items():
             if names[field] not in have:
@@ -110,8 +107,8 @@ class UnpairedFormat:
                     f"data needs {list(REQUIRED)}: name yours with columns={{{field!r}: "
                     "'your_column'}"
                 )
-        turns = {"role": names.pop("role"), "content": names.pop("content")}
-        return cls(names, ChatFormat("messages", turns, dict(roles or {})))
+        chat = ChatFormat.of_turns(names, roles)  # takes role and content out of names
+        return cls(names, chat)
 
     @property
     def record_columns(self) -> list[str]:
