@@ -19,7 +19,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_mcore.data.chat import ChatFormat, field_names
 from lightning_mcore.data.two_rows import TwoRowDataModule, add_sides, empty_batch, tokenize_sides
@@ -123,22 +122,6 @@ def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, fmt: PairFormat,
     return out
 
 
-@rank_zero_only
-def _log_stats(stats: Mapping[str, Any], seq_length: int) -> None:
-    train, val = stats["train"], stats.get("val")
-    log.info(
-        f"DPO data: {stats['pairs']} pairs; training: {train['pairs']} rows of one pair, "
-        f"{train['tokens']} tokens filling {train['fill']:.1%} of the positions"
-        + (f"; validation: {val['pairs']} pairs" if val else "")
-    )
-    if stats["dropped"]:
-        log.warning(
-            f"DPO data: dropped {stats['dropped']} of {stats['pairs']} pairs "
-            f"(seq_length={seq_length})"
-        )
-
-
-
 class DPODataModule(TwoRowDataModule):
     """Preference pairs from jsonl/json/parquet files or ``save_to_disk`` directories.
 
@@ -164,8 +147,8 @@ class DPODataModule(TwoRowDataModule):
     and the fraction of row positions they fill.
     """
 
-    item, name, desc = "pair", "dpo", "Tokenizing preference pairs"
-    tokenize_batch, log_stats = staticmethod(_tokenize_batch), staticmethod(_log_stats)
+    item, cache_name, desc = "pair", "dpo", "Tokenizing preference pairs"
+    tokenize_batch, title, logger = staticmethod(_tokenize_batch), "DPO", log
 
     def __init__(
         self,

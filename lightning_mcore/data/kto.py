@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import Dataset
 
 from lightning_mcore.data import peek
@@ -161,21 +160,6 @@ def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, fmt: UnpairedFor
     return out
 
 
-@rank_zero_only
-def _log_stats(stats: Mapping[str, Any], seq_length: int) -> None:
-    train, val = stats["train"], stats.get("val")
-    log.info(
-        f"KTO data: {stats['examples']} examples; training: {train['examples']} rows of one "
-        f"example ({train['desirable']} desirable), {train['tokens']} tokens filling "
-        f"{train['fill']:.1%} of the positions" + (f"; validation: {val['examples']} examples" if val else "")
-    )
-    if stats["dropped"]:
-        log.warning(
-            f"KTO data: dropped {stats['dropped']} of {stats['examples']} examples "
-            f"(seq_length={seq_length})"
-        )
-
-
 class KTODataModule(TwoRowDataModule):
     """Unpaired desirable/undesirable examples from jsonl/json/parquet files or ``save_to_disk``
     directories, one row per example (its completion | a mismatched one, see the module doc).
@@ -204,8 +188,8 @@ class KTODataModule(TwoRowDataModule):
     too), their tokens and the fraction of row positions they fill.
     """
 
-    item, name, desc, columns = "example", "kto", "Tokenizing KTO examples", ("label",)
-    tokenize_batch, log_stats = staticmethod(_tokenize_batch), staticmethod(_log_stats)
+    item, cache_name, desc, columns = "example", "kto", "Tokenizing KTO examples", ("label",)
+    tokenize_batch, title, logger = staticmethod(_tokenize_batch), "KTO", log
 
     def __init__(
         self,
@@ -252,6 +236,9 @@ class KTODataModule(TwoRowDataModule):
                 f"left for training (of {len(lengths)}; dropped: {dict(dropped)}; seq_length="
                 f"{hp.seq_length}; val_split={hp.val_split}): add examples of the other kind, or "
                 f"raise seq_length if they were dropped for their length.")
+
+    def _train_detail(self, train: dict) -> str:
+        return f" ({train['desirable']} desirable)"
 
     def _rows(self, split: str, tokenized: Any, examples: list[int], lengths: np.ndarray) -> Dataset:
         """The rows with each example's ``label`` (1.0 desirable)."""

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_mcore.data.chat_records import load_records
+from lightning_mcore.data.chat_module import load_records
 from lightning_mcore.data.dpo import DPODataModule
 from lightning_mcore.data.two_rows import RowsWith
 

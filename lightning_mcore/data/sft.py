@@ -17,8 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import Dataset
 
 from lightning_mcore.data.chat import ChatFormat, drop_reason, tokenize_conversation
-from lightning_mcore.data.chat_module import ChatDataModule
-from lightning_mcore.data.chat_records import split_samples, token_features
+from lightning_mcore.data.chat_module import ChatDataModule, split_samples, token_features
 from lightning_mcore.data.packing import TRUNCATION, build_row, efficiency, fit_samples, pack
 
 log = logging.getLogger(__name__)

@@ -8,16 +8,17 @@ never cut.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import Dataset
 
 from lightning_mcore.data.chat import tokenize_conversation
-from lightning_mcore.data.chat_module import ChatDataModule
-from lightning_mcore.data.chat_records import split_samples, token_features
+from lightning_mcore.data.chat_module import ChatDataModule, split_samples, token_features
 from lightning_mcore.data.packing import efficiency
 from lightning_mcore.data.sft import SFTRows
 
@@ -36,23 +37,6 @@ def fit_pairs(
     long_pair = usable & ~long_prompt & (lengths.sum(axis=1) > seq_length)
     dropped = Counter({LONG_PROMPT: int(long_prompt.sum()), LONG_PAIR: int(long_pair.sum())})
     return np.flatnonzero(usable & ~long_prompt & ~long_pair), +dropped
-
-
-def fitting_items(tokenized: Any, seq_length: int, noun: str,
-                  columns: Sequence[str] = ()) -> tuple[dict, np.ndarray, np.ndarray, Counter]:
-    """Items tokenized as two rows each (``2 * i``, ``2 * i + 1``: DPO's pairs, KTO's examples):
-    (their ``length``, ``prompt_length``, ``dropped`` and ``columns`` as numpy arrays, the sides'
-    lengths [items, 2], the items that fit a row of ``seq_length``, dropped counts by reason).
-    Refuses when no item fits."""
-    names = ["length", "prompt_length", "dropped", *columns]
-    numbers = tokenized.select_columns(names).with_format("numpy")[:]
-    lengths = numbers["length"].reshape(-1, 2)
-    dropped = Counter(r for r in numbers["dropped"][::2].tolist() if r)
-    keep, lost = fit_pairs(lengths, numbers["prompt_length"][::2], seq_length)
-    dropped.update(lost)
-    if len(keep) == 0:
-        raise ValueError(f"no {noun} left to train on of {len(lengths)}: {dict(dropped)}")
-    return numbers, lengths, keep, dropped
 
 
 def tokenize_sides(tokenizer: Any, conversations: Sequence[list], template: str, index: int,
@@ -100,15 +84,17 @@ class RowsWith(Dataset):
 
 class TwoRowDataModule(ChatDataModule):
     """Subclasses name their ``item`` ("pair"), their tokenized ``columns`` (int8, beside the
-    lengths), the cache's ``name``, ``tokenize_batch`` (a module-level function, for
-    ``datasets.map``), ``desc`` and ``log_stats``; their format has ``names`` and a ``chat``."""
+    lengths), the cache's ``cache_name``, ``tokenize_batch`` (a module-level function, for
+    ``datasets.map``), ``desc``, and the ``title`` and ``logger`` of their log lines; their
+    format has ``names`` and a ``chat``."""
 
     item: str
-    name: str
+    cache_name: str
     desc: str
+    title: str
+    logger: logging.Logger
     columns: tuple[str, ...] = ()
     tokenize_batch: Callable
-    log_stats: Callable
 
     def _tokenize(self) -> Any:
         """Two tokenized rows per item: ``2 * i`` and ``2 * i + 1``, so ``SFTRows`` builds the
@@ -116,7 +102,7 @@ class TwoRowDataModule(ChatDataModule):
         records, fmt = self._records()
         how = [sorted(fmt.names.items()), sorted(fmt.chat.names.items()), sorted(fmt.chat.roles.items())]
         features = token_features("length", "prompt_length", **{c: "int8" for c in self.columns})
-        return self._map(records, self.tokenize_batch, features, (self.name, how),
+        return self._map(records, self.tokenize_batch, features, (self.cache_name, how),
                          self._batch_kwargs(records, fmt), self.desc)
 
     def _batch_kwargs(self, records: Any, fmt: Any) -> dict:
@@ -124,18 +110,27 @@ class TwoRowDataModule(ChatDataModule):
         return {"fmt": fmt}
 
     def _build(self, tokenized: Any) -> None:
+        """The items that fit a row of ``seq_length``, split; refuses when none fits."""
         hp, items = self.hparams, f"{self.item}s"
-        numbers, lengths, keep, dropped = fitting_items(tokenized, hp.seq_length, self.item, self.columns)
+        names = ["length", "prompt_length", "dropped", *self.columns]
+        numbers = tokenized.select_columns(names).with_format("numpy")[:]
+        lengths = numbers["length"].reshape(-1, 2)  # [items, 2]: the two sides' lengths
+        dropped = Counter(r for r in numbers["dropped"][::2].tolist() if r)
+        keep, lost = fit_pairs(lengths, numbers["prompt_length"][::2], hp.seq_length)
+        dropped.update(lost)
+        if len(keep) == 0:
+            raise ValueError(f"no {self.item} left to train on of {len(lengths)}: {dict(dropped)}")
         self.stats = {items: len(lengths), "dropped": dict(dropped)}
         train, val = split_samples(keep.tolist(), hp.val_split, hp.seed, items)
         self._check_training(numbers, train, lengths, dropped)
         self.train_dataset = self._rows("train", tokenized, train, lengths)
         self.val_dataset = self._rows("val", tokenized, val, lengths) if val else None
-        self.log_stats(self.stats, hp.seq_length)
+        self._log_stats()
 
     def _check_training(self, numbers: dict, train: list[int], lengths: np.ndarray,
                         dropped: Counter) -> None:
-        """A subclass's check of the items left for training (``numbers``: ``fitting_items``')."""
+        """A subclass's check of the items left for training (``numbers``: the tokenized
+        columns as numpy arrays)."""
 
     def _rows(self, split: str, tokenized: Any, items: list[int], lengths: np.ndarray) -> Dataset:
         """One row per item; the split's numbers go into ``stats``."""
@@ -146,3 +141,20 @@ class TwoRowDataModule(ChatDataModule):
             "fill": efficiency(sizes, [[i] for i in range(len(items))], S),
         }
         return SFTRows(tokenized, [[2 * i, 2 * i + 1] for i in items], S, self.pad_token_id)
+
+    def _train_detail(self, train: dict) -> str:
+        """What the log line adds about the training rows."""
+        return ""
+
+    @rank_zero_only
+    def _log_stats(self) -> None:
+        stats, items, log = self.stats, f"{self.item}s", self.logger
+        train, val = stats["train"], stats.get("val")
+        log.info(
+            f"{self.title} data: {stats[items]} {items}; training: {train[items]} rows of one "
+            f"{self.item}{self._train_detail(train)}, {train['tokens']} tokens filling "
+            f"{train['fill']:.1%} of the positions" + (f"; validation: {val[items]} {items}" if val else "")
+        )
+        if stats["dropped"]:
+            log.warning(f"{self.title} data: dropped {stats['dropped']} of {stats[items]} {items} "
+                        f"(seq_length={self.hparams.seq_length})")

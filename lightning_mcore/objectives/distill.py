@@ -238,16 +238,10 @@ class DistillModule(WithFrozenModel, MegatronModule):
 
         return out, loss_fn
 
-    def _with_teacher(self, batch: dict) -> dict:
+    def _with_reference(self, batch: dict) -> dict:
         if self._strategy().parallel.pipeline_model_parallel_size == 1:
             return batch  # the teacher runs in forward_step
         return {**batch, "teacher_logits": self._teacher_logits(batch)}
-
-    def training_step(self, batch: dict, batch_idx: int):
-        return super().training_step(self._with_teacher(batch), batch_idx)
-
-    def validation_step(self, batch: dict, batch_idx: int):
-        return super().validation_step(self._with_teacher(batch), batch_idx)
 
 
 def _packed_logits(chunk, batch: dict):

@@ -147,9 +147,3 @@ class DPOModule(WithFrozenModel, MegatronModule):
 
     def _with_reference(self, batch: dict) -> dict:
         return {**batch, "ref_logps": self._reference_logps(batch).to(batch["tokens"].device)}
-
-    def training_step(self, batch: dict, batch_idx: int):
-        return super().training_step(self._with_reference(batch), batch_idx)
-
-    def validation_step(self, batch: dict, batch_idx: int):
-        return super().validation_step(self._with_reference(batch), batch_idx)

@@ -63,6 +63,16 @@ class WithFrozenModel:
             chunks = self._build_chunks(self._strategy(), source)
             self._reference = FrozenModel(chunks, self.offload_reference)
 
+    def _with_reference(self, batch: dict) -> dict:
+        """The batch with what the frozen model gives the loss (the objective's to say)."""
+        return batch
+
+    def training_step(self, batch: dict, batch_idx: int):
+        return super().training_step(self._with_reference(batch), batch_idx)
+
+    def validation_step(self, batch: dict, batch_idx: int):
+        return super().validation_step(self._with_reference(batch), batch_idx)
+
     def _frozen_collect(self, batch: dict, step: Callable, width: int) -> torch.Tensor:
         """strategy.forward_collect (packed rows) through the frozen copy, or without one through
         the policy's chunks with the adapters off."""
