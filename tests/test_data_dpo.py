@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from lightning_mcore.data import DPODataModule
 from lightning_mcore.data.chat import CHATML, tokenize_conversation
-from lightning_mcore.data.dpo import fit_pairs
+from lightning_mcore.data.two_rows import fit_pairs
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "configs" / "sample_data"
 TOKENIZER = str(SAMPLE_DIR / "tokenizer")

@@ -47,6 +47,14 @@ def resolve_template(tokenizer: Any, chat_template: Optional[str] = None) -> str
     return own
 
 
+def field_names(fields: Sequence[str], columns: Optional[Mapping[str, Any]]) -> dict:
+    """Our names of ``fields`` to the dataset's: each its own unless ``columns`` renames it."""
+    unknown = sorted(set(columns or {}) - set(fields))
+    if unknown:
+        raise ValueError(f"columns maps unknown fields {unknown}: the fields are {fields}")
+    return {field: field for field in fields} | dict(columns or {})
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """How records hold conversations: ``format`` ("messages" or "alpaca"), the dataset's column
@@ -65,12 +73,9 @@ class ChatFormat:
         roles: Optional[Mapping[str, str]] = None,
     ) -> "ChatFormat":
         """Check the dataset's columns up front (``format="auto"`` picks from them)."""
-        unknown = sorted(set(columns or {}) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"columns maps unknown fields {unknown}: the fields are {FIELDS}")
+        names = field_names(FIELDS, columns)
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        names: dict = {field: field for field in FIELDS} | dict(columns or {})
         have = list(column_names)
         if format == "auto":
             alpaca = names["instruction"] in have and names["output"] in have
@@ -90,6 +95,13 @@ class ChatFormat:
         if names["input"] not in have:
             names["input"] = None
         return cls(format, names, dict(roles or {}))
+
+    @classmethod
+    def of_turns(cls, names: dict, roles: Optional[Mapping[str, str]]) -> "ChatFormat":
+        """The format of message lists whose ``role``/``content`` keys ``names`` gives (they are
+        taken out of ``names``): how records of pairs and examples hold their conversations."""
+        turns = {"role": names.pop("role"), "content": names.pop("content")}
+        return cls("messages", turns, dict(roles or {}))
 
     @property
     def record_columns(self) -> list[str]:

@@ -16,38 +16,19 @@ Two record formats (``columns`` maps the names, ``roles`` the role names as for 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
-import numpy as np
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lightning_mcore.data import peek
-from lightning_mcore.data.chat import (
-    ChatFormat,
-    resolve_template,
-    tokenize_conversation,
-)
-from lightning_mcore.data.feeding import DataParallelDataModule
-from lightning_mcore.data.packing import efficiency
-from lightning_mcore.data.sft import (
-    SFTRows,
-    check_options,
-    check_template,
-    load_records,
-    map_cached,
-    naming_files,
-    split_samples,
-)
+from lightning_mcore.data.chat import ChatFormat, field_names
+from lightning_mcore.data.two_rows import TwoRowDataModule, add_sides, empty_batch, tokenize_sides
 
 log = logging.getLogger(__name__)
 
 FIELDS = ("prompt", "chosen", "rejected", "role", "content")
 SIDES = ("chosen", "rejected")
-# Drop reasons that do not depend on seq_length (decided when tokenizing) and those that do.
+# Drop reasons decided when tokenizing (those that depend on seq_length: two_rows.py).
 EMPTY, IDENTICAL = "empty response", "chosen and rejected identical"
-LONG_PROMPT, LONG_PAIR = "prompt longer than seq_length", "pair longer than seq_length"
 
 
 @dataclass(frozen=True)
@@ -67,10 +48,7 @@ class PairFormat:
     ) -> "PairFormat":
         """Check the dataset's columns up front; ``columns={"prompt": None}`` ignores a prompt
         column (when ``chosen``/``rejected`` hold whole conversations)."""
-        unknown = sorted(set(columns or {}) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"columns maps unknown fields {unknown}: the fields are {FIELDS}")
-        names: dict = {field: field for field in FIELDS} | dict(columns or {})
+        names = field_names(FIELDS, columns)
         have = list(column_names)
         for side in SIDES:
             if names[side] not in have:
@@ -80,8 +58,8 @@ class PairFormat:
                 )
         if names["prompt"] not in have:
             names["prompt"] = None
-        turns = {"role": names.pop("role"), "content": names.pop("content")}
-        return cls(names, ChatFormat("messages", turns, dict(roles or {})))
+        chat = ChatFormat.of_turns(names, roles)  # takes role and content out of names
+        return cls(names, chat)
 
     @property
     def record_columns(self) -> list[str]:
@@ -133,36 +111,18 @@ class PairFormat:
         return chosen, rejected
 
 
-def fit_pairs(
-    lengths: np.ndarray, prompt_lengths: np.ndarray, seq_length: int
-) -> tuple[np.ndarray, Counter]:
-    """(kept pair indices, dropped counts by reason) for pairs of ``lengths[i] = (chosen,
-    rejected)`` tokens (0: already dropped) with ``prompt_lengths[i]`` prompt tokens each."""
-    usable = lengths[:, 0] > 0
-    long_prompt = usable & (prompt_lengths > seq_length)
-    long_pair = usable & ~long_prompt & (lengths.sum(axis=1) > seq_length)
-    dropped = Counter({LONG_PROMPT: int(long_prompt.sum()), LONG_PAIR: int(long_pair.sum())})
-    return np.flatnonzero(usable & ~long_prompt & ~long_pair), +dropped
+def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, fmt: PairFormat, template: str):
+    out = empty_batch()
+    for row, index in enumerate(indices):
+        conversations = fmt.read({column: values[row] for column, values in batch.items()}, index)
+        reason = EMPTY if any(not c[-1]["content"].strip() for c in conversations) else ""
+        sides, reason = tokenize_sides(tokenizer, conversations, template, index, EMPTY, reason)
+        reason = reason or (IDENTICAL if sides[0][0] == sides[1][0] else "")
+        add_sides(out, sides, reason)
+    return out
 
 
-def fitting_items(tokenized: Any, seq_length: int, noun: str,
-                  columns: Sequence[str] = ()) -> tuple[dict, np.ndarray, np.ndarray, Counter]:
-    """Items tokenized as two rows each (``2 * i``, ``2 * i + 1``: DPO's pairs, KTO's examples):
-    (their ``length``, ``prompt_length``, ``dropped`` and ``columns`` as numpy arrays, the sides'
-    lengths [items, 2], the items that fit a row of ``seq_length``, dropped counts by reason).
-    Refuses when no item fits."""
-    names = ["length", "prompt_length", "dropped", *columns]
-    numbers = tokenized.select_columns(names).with_format("numpy")[:]
-    lengths = numbers["length"].reshape(-1, 2)
-    dropped = Counter(r for r in numbers["dropped"][::2].tolist() if r)
-    keep, lost = fit_pairs(lengths, numbers["prompt_length"][::2], seq_length)
-    dropped.update(lost)
-    if len(keep) == 0:
-        raise ValueError(f"no {noun} left to train on of {len(lengths)}: {dict(dropped)}")
-    return numbers, lengths, keep, dropped
-
-
-class DPODataModule(DataParallelDataModule):
+class DPODataModule(TwoRowDataModule):
     """Preference pairs from jsonl/json/parquet files or ``save_to_disk`` directories.
 
     Args:
@@ -187,6 +147,9 @@ class DPODataModule(DataParallelDataModule):
     and the fraction of row positions they fill.
     """
 
+    item, cache_name, desc = "pair", "dpo", "Tokenizing preference pairs"
+    tokenize_batch, title, logger = staticmethod(_tokenize_batch), "DPO", log
+
     def __init__(
         self,
         paths: Union[str, list[str]],
@@ -202,103 +165,7 @@ class DPODataModule(DataParallelDataModule):
         num_proc: Optional[int] = None,
         cache_dir: Optional[str] = None,
     ) -> None:
-        super().__init__()
-        self.paths = [paths] if isinstance(paths, str) else list(paths)
-        check_options(self.paths, seq_length, val_split, tokenizer)
-        self.save_hyperparameters()
-        self.stats: dict[str, Any] = {}
-        check_template(self, chat_template)
-        peek.check_records(self.paths, lambda names: PairFormat.detect(names, columns, roles).read)
+        super().__init__(paths, tokenizer, seq_length, val_split, chat_template)
 
-    def prepare_data(self) -> None:
-        """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
-        self._tokenize()
-
-    def _tokenize(self) -> Any:
-        """Two tokenized rows per pair: ``2 * i`` its chosen conversation, ``2 * i + 1`` its
-        rejected one, so ``SFTRows`` builds the pair's row from ``[2 * i, 2 * i + 1]``."""
-        import datasets
-
-        hp = self.hparams
-        records = load_records(self.paths, hp.cache_dir)
-        pairs = PairFormat.detect(records.column_names, hp.columns, hp.roles)
-        records = records.select_columns(pairs.record_columns)
-        template = resolve_template(self.tokenizer, hp.chat_template)
-        ints, mask = datasets.Value("int32"), datasets.Sequence(datasets.Value("int8"))
-        ids = datasets.Sequence(datasets.Value("int32"))
-        features = dict(input_ids=ids, assistant_mask=mask, length=ints, prompt_length=ints)
-        features["dropped"] = datasets.Value("string")
-        how = [sorted(pairs.names.items()), sorted(pairs.chat.names.items())]
-        how.append(sorted(pairs.chat.roles.items()))
-        with naming_files(self.paths):
-            return map_cached(
-                records,
-                _tokenize_batch,
-                features,
-                key=("dpo", self.tokenizer, template, how),
-                fn_kwargs={"tokenizer": self.tokenizer, "pairs": pairs, "template": template},
-                num_proc=hp.num_proc,
-                cache_dir=hp.cache_dir,
-                desc="Tokenizing preference pairs",
-            )
-
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_dataset is not None:
-            return
-        hp, tokenized = self.hparams, self._tokenize()
-        _, lengths, keep, dropped = fitting_items(tokenized, hp.seq_length, "pair")
-        self.stats = {"pairs": len(lengths), "dropped": dict(dropped)}
-        train, val = split_samples(keep.tolist(), hp.val_split, hp.seed, "pairs")
-        self.train_dataset = self._rows("train", tokenized, train, lengths)
-        self.val_dataset = self._rows("val", tokenized, val, lengths) if val else None
-        _log_stats(self.stats, hp.seq_length)
-
-    def _rows(self, split: str, tokenized: Any, pairs: list[int], lengths: np.ndarray) -> SFTRows:
-        """One row per pair; the split's numbers go into ``stats``."""
-        S, sizes = self.hparams.seq_length, lengths[pairs].sum(axis=1).tolist()
-        self.stats[split] = {
-            "pairs": len(pairs),
-            "tokens": sum(sizes),
-            "fill": efficiency(sizes, [[i] for i in range(len(pairs))], S),
-        }
-        return SFTRows(tokenized, [[2 * i, 2 * i + 1] for i in pairs], S, self.pad_token_id)
-
-
-def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, pairs: PairFormat, template: str):
-    out: dict[str, list] = {n: [] for n in ("input_ids", "assistant_mask", "length")}
-    out |= {"prompt_length": [], "dropped": []}
-    for row, index in enumerate(indices):
-        conversations = pairs.read({column: values[row] for column, values in batch.items()}, index)
-        reason = EMPTY if any(not c[-1]["content"].strip() for c in conversations) else ""
-        if not reason:
-            sides = [
-                tokenize_conversation(tokenizer, turns, template, index, last_only=True)
-                for turns in conversations
-            ]
-            reason = EMPTY if any(1 not in mask for _, mask in sides) else ""
-            reason = reason or (IDENTICAL if sides[0][0] == sides[1][0] else "")
-        sides = [([], []), ([], [])] if reason else sides
-        # The reply is the tail of the rendering; both share the prompt's tokens before it.
-        prompt = sides[0][1].index(1) if not reason else 0
-        for ids, mask in sides:
-            out["input_ids"].append(ids)
-            out["assistant_mask"].append(mask)
-            out["length"].append(len(ids))
-            out["prompt_length"].append(prompt)
-            out["dropped"].append(reason)
-    return out
-
-
-@rank_zero_only
-def _log_stats(stats: Mapping[str, Any], seq_length: int) -> None:
-    train, val = stats["train"], stats.get("val")
-    log.info(
-        f"DPO data: {stats['pairs']} pairs; training: {train['pairs']} rows of one pair, "
-        f"{train['tokens']} tokens filling {train['fill']:.1%} of the positions"
-        + (f"; validation: {val['pairs']} pairs" if val else "")
-    )
-    if stats["dropped"]:
-        log.warning(
-            f"DPO data: dropped {stats['dropped']} of {stats['pairs']} pairs "
-            f"(seq_length={seq_length})"
-        )
+    def _format(self, column_names: list[str]) -> PairFormat:
+        return PairFormat.detect(column_names, self.hparams.columns, self.hparams.roles)

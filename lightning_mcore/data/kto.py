@@ -20,26 +20,21 @@ and ``label``: true (desirable) or false (undesirable).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
-import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch.utils.data import Dataset
 
 from lightning_mcore.data import peek
-from lightning_mcore.data.chat import ChatFormat, resolve_template, tokenize_conversation
-from lightning_mcore.data.dpo import fitting_items
-from lightning_mcore.data.feeding import DataParallelDataModule
-from lightning_mcore.data.packing import efficiency
-from lightning_mcore.data.sft import (
-    SFTRows,
-    check_options,
-    check_template,
-    load_records,
-    map_cached,
-    naming_files,
-    split_samples,
+from lightning_mcore.data.chat import ChatFormat, field_names
+from lightning_mcore.data.two_rows import (
+    RowsWith,
+    TwoRowDataModule,
+    add_sides,
+    empty_batch,
+    tokenize_sides,
 )
 
 log = logging.getLogger(__name__)
@@ -102,10 +97,7 @@ class UnpairedFormat:
         roles: Optional[Mapping[str, str]] = None,
     ) -> "UnpairedFormat":
         """Check the dataset's columns up front: a missing one is named with the fix."""
-        unknown = sorted(set(columns or {}) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"columns maps unknown fields {unknown}: the fields are {FIELDS}")
-        names: dict = {field: field for field in FIELDS} | dict(columns or {})
+        names = field_names(FIELDS, columns)
         have = list(column_names)
         for field, what in REQUIRED.items():
             if names[field] not in have:
@@ -114,8 +106,8 @@ class UnpairedFormat:
                     f"data needs {list(REQUIRED)}: name yours with columns={{{field!r}: "
                     "'your_column'}"
                 )
-        turns = {"role": names.pop("role"), "content": names.pop("content")}
-        return cls(names, ChatFormat("messages", turns, dict(roles or {})))
+        chat = ChatFormat.of_turns(names, roles)  # takes role and content out of names
+        return cls(names, chat)
 
     @property
     def record_columns(self) -> list[str]:
@@ -153,19 +145,22 @@ class UnpairedFormat:
         return turns
 
 
-class UnpairedRows(SFTRows):
-    """``SFTRows`` whose rows also carry their example's ``label`` (1.0 desirable)."""
+def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, fmt: UnpairedFormat,
+                    template: str, count: int):
+    out = empty_batch("label")
+    for row, index in enumerate(indices):
+        record = {column: values[row] for column, values in batch.items()}
+        own, label = fmt.read(record, index)
+        where = f"sample {(index + 1) % count} (its completion after sample {index}'s prompt)"
+        mismatched = fmt.conversation(record, record[MISMATCHED], where)
+        reason = EMPTY if not own[-1]["content"].strip() else ""
+        reason = reason or (EMPTY_MISMATCHED if not mismatched[-1]["content"].strip() else "")
+        sides, reason = tokenize_sides(tokenizer, (own, mismatched), template, index, EMPTY, reason)
+        add_sides(out, sides, reason, label=int(label))
+    return out
 
-    def __init__(self, tokenized: Any, rows: list[list[int]], seq_length: int, pad_id: int,
-                 labels: Sequence[bool]):
-        super().__init__(tokenized, rows, seq_length, pad_id)
-        self.labels = [float(v) for v in labels]
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {**super().__getitem__(index), "label": torch.tensor(self.labels[index])}
-
-
-class KTODataModule(DataParallelDataModule):
+class KTODataModule(TwoRowDataModule):
     """Unpaired desirable/undesirable examples from jsonl/json/parquet files or ``save_to_disk``
     directories, one row per example (its completion | a mismatched one, see the module doc).
 
@@ -193,6 +188,9 @@ class KTODataModule(DataParallelDataModule):
     too), their tokens and the fraction of row positions they fill.
     """
 
+    item, cache_name, desc, columns = "example", "kto", "Tokenizing KTO examples", ("label",)
+    tokenize_batch, title, logger = staticmethod(_tokenize_batch), "KTO", log
+
     def __init__(
         self,
         paths: Union[str, list[str]],
@@ -208,122 +206,43 @@ class KTODataModule(DataParallelDataModule):
         num_proc: Optional[int] = None,
         cache_dir: Optional[str] = None,
     ) -> None:
-        super().__init__()
-        self.paths = [paths] if isinstance(paths, str) else list(paths)
-        check_options(self.paths, seq_length, val_split, tokenizer)
-        self.save_hyperparameters()
-        self.stats: dict[str, Any] = {}
-        check_template(self, chat_template)
-        peek.check_records(self.paths, lambda names: UnpairedFormat.detect(names, columns, roles).read)
+        super().__init__(paths, tokenizer, seq_length, val_split, chat_template)
         refuse_one_kind(self.paths, (columns or {}).get("label", "label"))
 
-    def prepare_data(self) -> None:
-        """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
-        self._tokenize()
+    def _format(self, column_names: list[str]) -> UnpairedFormat:
+        return UnpairedFormat.detect(column_names, self.hparams.columns, self.hparams.roles)
 
-    def _tokenize(self) -> Any:
-        """Two tokenized rows per example: ``2 * i`` its conversation, ``2 * i + 1`` its prompt
-        with record ``i + 1``'s completion (cyclic)."""
-        import datasets
-
-        hp = self.hparams
-        records = load_records(self.paths, hp.cache_dir)
-        fmt = UnpairedFormat.detect(records.column_names, hp.columns, hp.roles)
-        records = records.select_columns(fmt.record_columns)
+    def _records(self) -> tuple[Any, UnpairedFormat]:
+        """The records with ``MISMATCHED``: each one's next record's completion (cyclic), so
+        that row ``2 * i + 1`` is prompt ``i`` with completion ``i + 1``."""
+        records, fmt = super()._records()
         completion = fmt.names["completion"]
         others = records[completion]
         records = records.add_column(MISMATCHED, others[1:] + others[:1],
                                      feature=records.features[completion])
-        template = resolve_template(self.tokenizer, hp.chat_template)
-        ints, mask = datasets.Value("int32"), datasets.Sequence(datasets.Value("int8"))
-        ids = datasets.Sequence(datasets.Value("int32"))
-        features = dict(input_ids=ids, assistant_mask=mask, length=ints, prompt_length=ints,
-                        label=datasets.Value("int8"), dropped=datasets.Value("string"))
-        how = [sorted(fmt.names.items()), sorted(fmt.chat.names.items()), sorted(fmt.chat.roles.items())]
-        with naming_files(self.paths):
-            return map_cached(
-                records,
-                _tokenize_batch,
-                features,
-                key=("kto", self.tokenizer, template, how),
-                fn_kwargs={"tokenizer": self.tokenizer, "fmt": fmt, "template": template,
-                           "count": len(records)},
-                num_proc=hp.num_proc,
-                cache_dir=hp.cache_dir,
-                desc="Tokenizing KTO examples",
-            )
+        return records, fmt
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_dataset is not None:
-            return
-        hp, tokenized = self.hparams, self._tokenize()
-        numbers, lengths, keep, dropped = fitting_items(tokenized, hp.seq_length, "example", ["label"])
-        self.stats = {"examples": len(lengths), "dropped": dict(dropped)}
-        train, val = split_samples(keep.tolist(), hp.val_split, hp.seed, "examples")
-        labels = numbers["label"][::2].astype(bool)
-        kind = one_kind(labels[train].tolist())
+    def _batch_kwargs(self, records: Any, fmt: UnpairedFormat) -> dict:
+        return {"fmt": fmt, "count": len(records)}
+
+    def _check_training(self, numbers: dict, train: list[int], lengths: np.ndarray,
+                        dropped: Counter) -> None:
+        """Refuse training examples of one kind; keep every example's label for its row."""
+        hp, self._labels = self.hparams, numbers["label"][::2].astype(bool)
+        kind = one_kind(self._labels[train].tolist())
         if kind is not None:
             raise ValueError(
                 f"{', '.join(self.paths)}: {BOTH_KINDS}, but only {kind} examples ({len(train)}) are "
                 f"left for training (of {len(lengths)}; dropped: {dict(dropped)}; seq_length="
                 f"{hp.seq_length}; val_split={hp.val_split}): add examples of the other kind, or "
                 f"raise seq_length if they were dropped for their length.")
-        self.train_dataset = self._rows("train", tokenized, train, lengths, labels)
-        self.val_dataset = self._rows("val", tokenized, val, lengths, labels) if val else None
-        _log_stats(self.stats, hp.seq_length)
 
-    def _rows(self, split: str, tokenized: Any, examples: list[int], lengths: np.ndarray,
-              labels: np.ndarray) -> UnpairedRows:
-        S, sizes = self.hparams.seq_length, lengths[examples].sum(axis=1).tolist()
-        self.stats[split] = {
-            "examples": len(examples),
-            "desirable": int(labels[examples].sum()),
-            "tokens": sum(sizes),
-            "fill": efficiency(sizes, [[i] for i in range(len(examples))], S),
-        }
-        rows = [[2 * i, 2 * i + 1] for i in examples]
-        return UnpairedRows(tokenized, rows, S, self.pad_token_id, labels[examples].tolist())
+    def _train_detail(self, train: dict) -> str:
+        return f" ({train['desirable']} desirable)"
 
-
-def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, fmt: UnpairedFormat,
-                    template: str, count: int):
-    names = ("input_ids", "assistant_mask", "length", "prompt_length", "label", "dropped")
-    out: dict[str, list] = {n: [] for n in names}
-    for row, index in enumerate(indices):
-        record = {column: values[row] for column, values in batch.items()}
-        own, label = fmt.read(record, index)
-        where = f"sample {(index + 1) % count} (its completion after sample {index}'s prompt)"
-        mismatched = fmt.conversation(record, record[MISMATCHED], where)
-        reason = EMPTY if not own[-1]["content"].strip() else ""
-        reason = reason or (EMPTY_MISMATCHED if not mismatched[-1]["content"].strip() else "")
-        sides = [([], []), ([], [])]
-        if not reason:
-            sides = [tokenize_conversation(tokenizer, turns, template, index, last_only=True)
-                     for turns in (own, mismatched)]
-            reason = EMPTY if any(1 not in mask for _, mask in sides) else ""
-        sides = [([], []), ([], [])] if reason else sides
-        # The completion is the tail of the rendering; both share the prompt's tokens before it.
-        prompt = sides[0][1].index(1) if not reason else 0
-        for ids, mask in sides:
-            out["input_ids"].append(ids)
-            out["assistant_mask"].append(mask)
-            out["length"].append(len(ids))
-            out["prompt_length"].append(prompt)
-            out["label"].append(int(label))
-            out["dropped"].append(reason)
-    return out
-
-
-@rank_zero_only
-def _log_stats(stats: Mapping[str, Any], seq_length: int) -> None:
-    train, val = stats["train"], stats.get("val")
-    log.info(
-        f"KTO data: {stats['examples']} examples; training: {train['examples']} rows of one "
-        f"example ({train['desirable']} desirable), {train['tokens']} tokens filling "
-        f"{train['fill']:.1%} of the positions" + (f"; validation: {val['examples']} examples" if val else "")
-    )
-    if stats["dropped"]:
-        log.warning(
-            f"KTO data: dropped {stats['dropped']} of {stats['examples']} examples "
-            f"(seq_length={seq_length})"
-        )
+    def _rows(self, split: str, tokenized: Any, examples: list[int], lengths: np.ndarray) -> Dataset:
+        """The rows with each example's ``label`` (1.0 desirable)."""
+        rows, labels = super()._rows(split, tokenized, examples, lengths), self._labels[examples]
+        self.stats[split] = {"examples": len(examples), "desirable": int(labels.sum()),
+                             **self.stats[split]}
+        return RowsWith(rows, "label", [float(v) for v in labels.tolist()])

@@ -38,7 +38,7 @@ from lightning_mcore.data.chat import tokenize_conversation
 from lightning_mcore.data.feeding import DataParallelDataModule
 from lightning_mcore.data.mrope_positions import mrope_positions
 from lightning_mcore.data.packing import TRUNCATION, build_row, efficiency, fit_samples, pack
-from lightning_mcore.data.sft import (
+from lightning_mcore.data.chat_module import (
     check_options,
     conversation_files,
     load_records,
@@ -366,7 +366,7 @@ def process_records(records: Any, processor: VisionProcessor, chat: ChatFormat, 
     ``assistant_mask``, ``length``, ``first_loss``, ``dropped`` (the reason, or ""),
     ``problem`` (a bad sample's message), ``pixel_values`` (flat), ``image_grid_thw``,
     ``image_end`` (tokens up to the last image token) and ``largest_image`` (its tokens).
-    Cached, see ``sft.map_cached``."""
+    Cached, see ``chat_module.map_cached``."""
     import datasets
 
     ints, ids = datasets.Value("int32"), datasets.Sequence(datasets.Value("int32"))

@@ -25,7 +25,7 @@ from lightning_mcore.data import peek
 from lightning_mcore.data.chat import ChatFormat, resolve_template
 from lightning_mcore.data.feeding import DataParallelDataModule, _layout, _SeatedLoader
 from lightning_mcore.data.sampler import DataParallelSampler
-from lightning_mcore.data.sft import check_options, check_template, load_records
+from lightning_mcore.data.chat_module import check_options, check_template, load_records
 
 log = logging.getLogger(__name__)
 

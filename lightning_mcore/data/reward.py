@@ -15,21 +15,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_mcore.data.chat_module import load_records
 from lightning_mcore.data.dpo import DPODataModule
-from lightning_mcore.data.sft import load_records
-
-
-class WithMargins(Dataset):
-    """`rows` (DPO rows, one per pair) with each pair's margin added as ``margin``."""
-
-    def __init__(self, rows: Dataset, margins: list[float]) -> None:
-        self.rows, self.margins = rows, margins
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {**self.rows[index], "margin": torch.tensor(self.margins[index], dtype=torch.float32)}
+from lightning_mcore.data.two_rows import RowsWith
 
 
 class RewardDataModule(DPODataModule):
@@ -44,7 +32,7 @@ class RewardDataModule(DPODataModule):
     def _rows(self, split: str, tokenized: Any, pairs: list[int], lengths: np.ndarray) -> Dataset:
         rows = super()._rows(split, tokenized, pairs, lengths)
         margins = self._read_margins()
-        return WithMargins(rows, [float(margins[i]) for i in pairs])
+        return RowsWith(rows, "margin", [float(margins[i]) for i in pairs], torch.float32)
 
     def _read_margins(self) -> np.ndarray:
         """Every record's margin (records and tokenized pairs share their order)."""

@@ -7,33 +7,18 @@ row holds one conversation (``packing=False``) or several.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from collections import Counter
-from contextlib import contextmanager
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import Dataset
 
-from lightning_mcore.data import peek, preprocess
-from lightning_mcore.data.chat import (
-    ChatFormat,
-    drop_reason,
-    resolve_template,
-    tokenize_conversation,
-)
-from lightning_mcore.data.feeding import DataParallelDataModule
-from lightning_mcore.data.packing import (
-    TRUNCATION,
-    build_row,
-    efficiency,
-    fit_samples,
-    pack,
-)
+from lightning_mcore.data.chat import ChatFormat, drop_reason, tokenize_conversation
+from lightning_mcore.data.chat_module import ChatDataModule, split_samples, token_features
+from lightning_mcore.data.packing import TRUNCATION, build_row, efficiency, fit_samples, pack
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +39,7 @@ class SFTRows(Dataset):
         return build_row(samples, self.seq_length, self.pad_id)
 
 
-class SFTDataModule(DataParallelDataModule):
+class SFTDataModule(ChatDataModule):
     """Chat fine-tuning data from jsonl/json/parquet files or ``save_to_disk`` directories.
 
     Args:
@@ -98,36 +83,27 @@ class SFTDataModule(DataParallelDataModule):
         num_proc: Optional[int] = None,
         cache_dir: Optional[str] = None,
     ) -> None:
-        super().__init__()
-        self.paths = [paths] if isinstance(paths, str) else list(paths)
-        check_options(self.paths, seq_length, val_split, tokenizer)
-        if truncation not in TRUNCATION:
-            raise ValueError(f"truncation must be one of {TRUNCATION}")
-        self.save_hyperparameters()
-        self.stats: dict[str, Any] = {}
-        check_template(self, chat_template)
-        peek.check_records(
-            self.paths, lambda names: ChatFormat.detect(names, format, columns, roles).read
-        )
+        super().__init__(paths, tokenizer, seq_length, val_split, chat_template)
 
-    def prepare_data(self) -> None:
-        """Tokenize once per node (Lightning runs this on local rank 0); setup() hits the cache."""
-        self._tokenize()
+    def _check_hparams(self) -> None:
+        if self.hparams.truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {TRUNCATION}")
+
+    def _format(self, column_names: list[str]) -> ChatFormat:
+        hp = self.hparams
+        return ChatFormat.detect(column_names, hp.format, hp.columns, hp.roles)
 
     def _tokenize(self) -> Any:
-        hp = self.hparams
-        records = load_records(self.paths, hp.cache_dir)
-        chat = ChatFormat.detect(records.column_names, hp.format, hp.columns, hp.roles)
-        records = records.select_columns(chat.record_columns)
-        with naming_files(self.paths):
-            return tokenize_records(
-                records, self.tokenizer, chat, hp.chat_template, hp.num_proc, hp.cache_dir
-            )
+        """``input_ids``, ``assistant_mask``, ``length``, ``first_loss`` and ``dropped`` (the
+        reason, or ""; such rows are empty) of every conversation."""
+        records, chat = self._records()
+        how = (chat.format, sorted(chat.names.items()), sorted(chat.roles.items()))
+        features = token_features("length", "first_loss")
+        return self._map(records, _tokenize_batch, features, ("sft", how), {"chat": chat},
+                         "Tokenizing conversations")
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_dataset is not None:
-            return
-        hp, tokenized = self.hparams, self._tokenize()
+    def _build(self, tokenized: Any) -> None:
+        hp = self.hparams
         numbers = tokenized.select_columns(["length", "first_loss"]).with_format("numpy")[:]
         lengths, first = numbers["length"], numbers["first_loss"]
         dropped = Counter(r for r in tokenized["dropped"] if r)
@@ -157,153 +133,6 @@ class SFTDataModule(DataParallelDataModule):
         }
         rows = [[samples[i] for i in row] for row in rows]
         return SFTRows(tokenized, rows, S, self.pad_token_id)
-
-
-def check_options(paths: Sequence[str], seq_length: Any, val_split: float, tokenizer: str) -> None:
-    """The checks every chat data module makes in ``__init__``: fail now, not after the trainer
-    has started (missing files, text files, a missing tokenizer)."""
-    if not isinstance(seq_length, int) or seq_length < 2:
-        raise ValueError(f"seq_length must be an int >= 2, got {seq_length!r}")
-    if not 0.0 <= val_split < 1.0:
-        raise ValueError(f"val_split must be in [0, 1), got {val_split}")
-    for path in paths:
-        if not os.path.isdir(os.path.expanduser(path)):
-            conversation_files(path)
-    preprocess.tokenizer_dir(tokenizer)
-
-
-def check_template(module: Any, chat_template: Optional[str]) -> None:
-    """Refuse a tokenizer without a chat template when none is given, naming the tokenizer."""
-    if chat_template is None:
-        try:
-            resolve_template(module.tokenizer)
-        except ValueError as err:
-            raise ValueError(f"tokenizer {module.hparams.tokenizer!r}: {err}") from None
-
-
-@contextmanager
-def naming_files(paths: Sequence[str]):
-    """A sample's error (``sample N: ...``, raised while tokenizing) names the data files too."""
-    try:
-        yield
-    except ValueError as err:
-        if not str(err).startswith("sample "):
-            raise
-        raise ValueError(f"{', '.join(paths)}: {err}") from None
-
-
-def conversation_files(path: str) -> list[str]:
-    """The files behind a path or glob, refusing plain text (it holds no conversations)."""
-    files = preprocess.resolve_files(path)
-    for file in files:
-        if preprocess.BUILDERS[os.path.splitext(file)[1].lower()] == "text":
-            raise ValueError(
-                f"{file!r}: text files hold no conversations; use .jsonl/.json, "
-                ".parquet or a save_to_disk directory"
-            )
-    return files
-
-
-def split_samples(
-    samples: list[int], val_split: float, seed: int, what: str = "samples"
-) -> tuple[list[int], list[int]]:
-    """(train, val): a seeded random ``val_split`` fraction of ``samples`` held out, each sorted
-    (before packing: a sample is never split across the two)."""
-    num_val = int(round(len(samples) * val_split))
-    if val_split > 0 and not 0 < num_val < len(samples):
-        raise ValueError(
-            f"val_split={val_split} of {len(samples)} {what} leaves "
-            f"{num_val} for validation and {len(samples) - num_val} for training"
-        )
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(samples), generator=generator).tolist()
-    val = sorted(samples[i] for i in order[:num_val])
-    return sorted(samples[i] for i in order[num_val:]), val
-
-
-def load_records(paths: Sequence[str], cache_dir: Optional[str] = None) -> Any:
-    """One ``datasets.Dataset`` of the records of every path, in order."""
-    import datasets
-
-    parts = []
-    for path in paths:
-        if os.path.isdir(os.path.expanduser(path)):
-            loaded = datasets.load_from_disk(os.path.expanduser(path))
-            if isinstance(loaded, datasets.DatasetDict):
-                if "train" not in loaded:
-                    raise ValueError(f"{path!r} holds splits {list(loaded)} but no 'train' split")
-                loaded = loaded["train"]
-            parts.append(loaded)
-            continue
-        for builder, group in preprocess._runs_of_same_builder(conversation_files(path)):
-            parts.append(preprocess.load_files(builder, group, cache_dir))
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-
-
-def tokenize_records(
-    records: Any,
-    tokenizer: Any,
-    chat: ChatFormat,
-    chat_template: Optional[str] = None,
-    num_proc: Optional[int] = None,
-    cache_dir: Optional[str] = None,
-) -> Any:
-    """``datasets.map`` the records to ``input_ids``, ``assistant_mask``, ``length``,
-    ``first_loss`` and ``dropped`` (the reason, or ""; such rows are empty). Cached, see
-    ``map_cached``."""
-    import datasets
-
-    template = resolve_template(tokenizer, chat_template)
-    how = (chat.format, sorted(chat.names.items()), sorted(chat.roles.items()))
-    ints, mask = datasets.Value("int32"), datasets.Sequence(datasets.Value("int8"))
-    ids = datasets.Sequence(datasets.Value("int32"))
-    features = dict(input_ids=ids, assistant_mask=mask, length=ints, first_loss=ints)
-    features["dropped"] = datasets.Value("string")
-    return map_cached(
-        records,
-        _tokenize_batch,
-        features,
-        key=("sft", tokenizer, template, how),
-        fn_kwargs={"tokenizer": tokenizer, "chat": chat, "template": template},
-        num_proc=num_proc,
-        cache_dir=cache_dir,
-        desc="Tokenizing conversations",
-    )
-
-
-def map_cached(
-    records: Any,
-    function: Any,
-    features: dict,
-    key: tuple[str, Any, str, Any],
-    fn_kwargs: dict,
-    num_proc: Optional[int] = None,
-    cache_dir: Optional[str] = None,
-    desc: Optional[str] = None,
-) -> Any:
-    """``records.map(function)`` in batches with indices, replacing the records' columns by
-    ``features``. ``key`` is (name, tokenizer, template, how the records are read): the result is
-    cached under a fingerprint of the data, the tokenizer's content and the rest of the key, so
-    ranks that come second load it instead of tokenizing again."""
-    import datasets
-
-    name, tokenizer, template, how = key
-    content = preprocess._tokenizer_content(tokenizer)
-    text = f"lightning_mcore-{name}-v1|{records._fingerprint}|{content}|{template}|{how}"
-    fingerprint = hashlib.sha256(text.encode()).hexdigest()[:32]
-    cache_file = os.path.join(cache_dir, f"{name}-{fingerprint}.arrow") if cache_dir else None
-    return records.map(
-        function,
-        batched=True,
-        with_indices=True,
-        remove_columns=records.column_names,
-        fn_kwargs=fn_kwargs,
-        features=datasets.Features(features),
-        num_proc=num_proc,
-        new_fingerprint=fingerprint,
-        cache_file_name=cache_file,
-        desc=desc,
-    )
 
 
 def _tokenize_batch(batch: dict, indices: list, tokenizer: Any, chat: ChatFormat, template: str):

@@ -38,7 +38,7 @@ from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.model.packing import packed_seq_params
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill_loss import token_cross_entropy, token_divergence
-from lightning_mcore.objectives.frozen import FrozenModel
+from lightning_mcore.objectives.frozen import WithFrozenModel
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
@@ -128,7 +128,7 @@ def _has_tokenizer(directory) -> bool:
     return directory is not None and any((Path(directory) / n).is_file() for n in names)
 
 
-class DistillModule(MegatronModule):
+class DistillModule(WithFrozenModel, MegatronModule):
     """`teacher`: an HF directory or a MegatronStrategy checkpoint with the student's vocabulary
     and tokenizer (`teacher_overrides` change its config fields); `distill`: the loss
     (DistillSettings)."""
@@ -152,7 +152,6 @@ class DistillModule(MegatronModule):
         self.distill = distill or DistillSettings()
         self.teacher = read_teacher(teacher, self.model_config.seq_length, teacher_overrides)
         self._check_teacher(str(teacher))
-        self._teacher_model: Optional[FrozenModel] = None
 
     def _check_teacher(self, teacher: str) -> None:
         """The teacher's logits index the student's vocabulary: the same size, padding and ids."""
@@ -196,11 +195,9 @@ class DistillModule(MegatronModule):
         if self.tokenizer_path is not None:  # the data's (the CLI checks it before launching)
             self.check_tokenizer(self.tokenizer_path, f"the data's ({self.tokenizer_path})")
 
-    def configure_model(self) -> None:
-        first = self.chunks is None
-        super().configure_model()
-        if first:
-            self._teacher_model = FrozenModel(self._build_chunks(self._strategy(), self.teacher))
+    def _frozen_source(self) -> Teacher:
+        """The teacher, whatever the student (with LoRA too): its frozen copy is _reference."""
+        return self.teacher
 
     # ---------------------------------------------------------------- steps
     def _teacher_logits(self, batch: dict) -> torch.Tensor:
@@ -213,14 +210,14 @@ class DistillModule(MegatronModule):
         def step(mb, chunk):
             return _packed_logits(chunk, mb), lambda out: out.reshape(mb["tokens"].shape[0], -1)
 
-        logits = self._teacher_model.forward_collect(strategy, batch, step, seq * width, packed=True)
+        logits = self._frozen_collect(batch, step, seq * width)
         return logits.reshape(rows, seq, width)
 
     def forward_step(self, batch: dict, chunk):
         teacher_logits = batch.get("teacher_logits")
         if teacher_logits is None:  # no pipeline: the teacher's one chunk, this microbatch only
             with torch.no_grad():
-                teacher_logits = _packed_logits(self._teacher_model.chunks[0], batch)
+                teacher_logits = _packed_logits(self._reference.chunks[0], batch)
         out = _packed_logits(chunk, batch)
 
         def loss_fn(logits):
@@ -241,16 +238,10 @@ class DistillModule(MegatronModule):
 
         return out, loss_fn
 
-    def _with_teacher(self, batch: dict) -> dict:
+    def _with_reference(self, batch: dict) -> dict:
         if self._strategy().parallel.pipeline_model_parallel_size == 1:
             return batch  # the teacher runs in forward_step
         return {**batch, "teacher_logits": self._teacher_logits(batch)}
-
-    def training_step(self, batch: dict, batch_idx: int):
-        return super().training_step(self._with_teacher(batch), batch_idx)
-
-    def validation_step(self, batch: dict, batch_idx: int):
-        return super().validation_step(self._with_teacher(batch), batch_idx)
 
 
 def _packed_logits(chunk, batch: dict):

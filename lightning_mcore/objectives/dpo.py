@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.cp_reduce import context_parallel_first, context_parallel_sum
-from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
+from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
-from lightning_mcore.objectives.frozen import ADAPTERS_OFF, FrozenModel, nothing_to_offload
+from lightning_mcore.objectives.frozen import ADAPTERS_OFF, WithFrozenModel, nothing_to_offload
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -85,7 +85,7 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float,
     return losses, metrics
 
 
-class DPOModule(MegatronModule):
+class DPOModule(WithFrozenModel, MegatronModule):
     """`beta`, `label_smoothing` (sigmoid only) and `loss_type` ("sigmoid" DPO or "ipo").
     `offload_reference` (GPU only): the frozen reference (no LoRA) waits in CPU memory and comes
     to the GPU for its forward pass, one copy of the weights less on the GPU for a host-to-device
@@ -118,27 +118,16 @@ class DPOModule(MegatronModule):
             raise nothing_to_offload(f" with lora: {ADAPTERS_OFF}")
         self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
         self.offload_reference = offload_reference
-        self._reference: Optional[FrozenModel] = None  # no LoRA: a frozen copy of the starting weights
-
-    def configure_model(self) -> None:
-        first = self.chunks is None
-        super().configure_model()
-        if first and self.lora is None:
-            self._reference = FrozenModel(self._build_chunks(self._strategy()), self.offload_reference)
 
     # ---------------------------------------------------------------- steps
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         average = self.loss_type == "ipo"
-        strategy = self._strategy()
-        rows = strategy.batch.micro_batch_size  # of each microbatch (a cp share is one THD row)
+        rows = self._strategy().batch.micro_batch_size  # of each microbatch (a cp share is one THD row)
 
         def step(mb, chunk):
             return forward_packed(chunk, mb), lambda out: pair_logps(out, mb, average, rows)
 
-        if self.lora is not None:
-            with adapters_disabled(list(self.chunks)):
-                return strategy.forward_collect(batch, step, 2, packed=True)
-        return self._reference.forward_collect(strategy, batch, step, 2, packed=True)
+        return self._frozen_collect(batch, step, 2)
 
     def forward_step(self, batch: dict, chunk):
         out = forward_packed(chunk, batch)
@@ -158,9 +147,3 @@ class DPOModule(MegatronModule):
 
     def _with_reference(self, batch: dict) -> dict:
         return {**batch, "ref_logps": self._reference_logps(batch).to(batch["tokens"].device)}
-
-    def training_step(self, batch: dict, batch_idx: int):
-        return super().training_step(self._with_reference(batch), batch_idx)
-
-    def validation_step(self, batch: dict, batch_idx: int):
-        return super().validation_step(self._with_reference(batch), batch_idx)

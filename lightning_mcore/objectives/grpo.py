@@ -43,11 +43,11 @@ from lightning_mcore import rewards as reward_lib
 from lightning_mcore.data.packing import build_row
 from lightning_mcore.model import routing_replay
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.lora import LoRAConfig, adapters_disabled
+from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives import grpo_loss
 from lightning_mcore.objectives.base import MegatronModule
-from lightning_mcore.objectives.frozen import ADAPTERS_OFF, FrozenModel, nothing_to_offload
+from lightning_mcore.objectives.frozen import ADAPTERS_OFF, WithFrozenModel, nothing_to_offload
 from lightning_mcore.objectives.grpo_variants import DynamicSampling, OverlongShaping, fill_with_varied_groups
 from lightning_mcore.objectives.rollout import Rollout
 from lightning_mcore.strategy.optimizer import OptimizerSettings
@@ -94,7 +94,7 @@ class RolloutCorrection:
             raise ValueError(f"correction.tis_cap must be >= 0 (0: off), got {self.tis_cap!r}")
 
 
-class GRPOModule(MegatronModule):
+class GRPOModule(WithFrozenModel, MegatronModule):
     """`reward_funcs`: import paths or callables, `reward_weights` (default 1 each);
     `num_generations` completions per prompt of at most `max_completion_length` tokens, sampled
     as `sampling` says; `beta` (KL to the reference, 0: none, no reference kept); `epsilon_low`,
@@ -192,7 +192,6 @@ class GRPOModule(MegatronModule):
         self.loss_normalization, self.scale_advantages = loss_normalization, scale_advantages
         self.num_iterations, self.offload_reference = num_iterations, offload_reference
         self.importance_level, self.overlong, self.dynamic_sampling = importance_level, overlong, dynamic_sampling
-        self._reference: Optional[FrozenModel] = None  # beta > 0, no LoRA: the starting weights
         self._routing_counts: Optional[torch.Tensor] = None  # (differing, all) during a counted step
         self._routers: Optional[dict] = None  # routing_replay.routers_by_chunk, on first use
         self._rollout: Optional[Rollout] = None
@@ -221,11 +220,9 @@ class GRPOModule(MegatronModule):
                 f"for completions: lower one of them to fit {seq} tokens, or raise seq_length")
 
     # ------------------------------------------------------------ model
-    def configure_model(self) -> None:
-        first = self.chunks is None
-        super().configure_model()
-        if first and self.lora is None and self.beta > 0:
-            self._reference = FrozenModel(self._build_chunks(self._strategy()), self.offload_reference)
+    def _frozen_source(self):
+        """beta > 0, no LoRA: a frozen copy of the starting weights (beta = 0: no reference)."""
+        return self if self.lora is None and self.beta > 0 else None
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -414,15 +411,11 @@ class GRPOModule(MegatronModule):
                 out = forward_packed(chunk, mb)
             return out, lambda out: -out.float().reshape(-1, seq)
 
-        strategy = self._strategy()
         inputs = {k: batch[k] for k in ("tokens", "labels", "position_ids", "segment_ids", "routing")
                   if k in batch}
-        if reference and self.lora is not None:
-            with adapters_disabled(list(self.chunks)):
-                return strategy.forward_collect(inputs, step, seq, packed=True)
-        if not reference:
-            return strategy.forward_collect(inputs, step, seq, packed=True)
-        return self._reference.forward_collect(strategy, inputs, step, seq, packed=True)
+        if reference:
+            return self._frozen_collect(inputs, step, seq)
+        return self._strategy().forward_collect(inputs, step, seq, packed=True)
 
     # ------------------------------------------------------------ loss
     def _routed(self, mb: dict, chunk, replay: bool):
