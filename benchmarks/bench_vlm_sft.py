@@ -155,7 +155,7 @@ def ours(args) -> None:
     import lightning as L
 
     from lightning_mcore import MegatronStrategy, OptimizerSettings
-    from lightning_mcore.model.lora import LoRAConfig
+    from lightning_mcore.lora.adapters import LoRAConfig
     from lightning_mcore.objectives.vision_language import VisionLanguageSFTModule
 
     config = json.load(open(os.path.join(args.model, "config.json")))

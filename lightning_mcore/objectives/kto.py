@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.packing import forward_packed
+from lightning_mcore.lora.adapters import LoRAConfig
+from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.objectives.dpo import DPOModule, pair_logps
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 

@@ -20,7 +20,7 @@ Engine's multi-tensor optimizer kernels take in one call (its handle pool) and a
 tensor in mcore's optimizer. The local SequentialMLP hooks each expert's linear with its slice;
 Transformer Engine's grouped GEMM (TEGroupedMLP: one linear over all local experts, weight<e>
 each, tokens in expert order with per-expert counts m_splits) takes one hook that splits its
-input by m_splits and runs each expert's factors on its rows (model/lora_grouped.py). Their linears do no communication themselves (the token
+input by m_splits and runs each expert's factors on its rows (lora/grouped.py). Their linears do no communication themselves (the token
 dispatcher does), so neither does their adapter; they are marked like mcore's expert weights
 (`allreduce = False`: gradients reduced over the expert-data-parallel group).
 
@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import mappings
 
-from lightning_mcore.model.lora_grouped import expert_weights, grouped_hook, is_grouped_linear
+from lightning_mcore.lora.grouped import expert_weights, grouped_hook, is_grouped_linear
 from lightning_mcore.model.torch_experts import TorchGroupedMLP
 
 # mcore module name -> (parallel kind, the HF names it fuses)
