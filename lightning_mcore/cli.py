@@ -448,8 +448,8 @@ def _owner_key(error: BaseException) -> Optional[str]:
     from lightning.pytorch.strategies import Strategy
 
     from lightning_mcore.hf.config import HFCheckpointError
+    from lightning_mcore.lora.config import LoRAConfig
     from lightning_mcore.model.config import GPTConfig
-    from lightning_mcore.lora.adapters import LoRAConfig
     from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
     from lightning_mcore.strategy.optimizer import OptimizerSettings
 

@@ -17,7 +17,7 @@ from lightning_mcore import KTOModule, MegatronStrategy, OptimizerSettings
 from lightning_mcore.cli import main
 from lightning_mcore.data import KTODataModule
 from lightning_mcore.data.packing import build_row
-from lightning_mcore.lora.adapters import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.objectives.kto import METRICS
 from toy import fit, tiny_config
 

@@ -21,8 +21,8 @@ from process_state import leaves_no_process_state
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.cli import main
 from lightning_mcore.hf.peft_export import PeftExportError, experts_layout
-from lightning_mcore.lora.adapters import LoRAConfig, LoRAError
 from lightning_mcore.lora.checks import check_lora_plan
+from lightning_mcore.lora.config import LoRAConfig, LoRAError
 from test_bad_inputs import MODEL, refused, snapshot, write_config
 from toy import TokenRows
 

@@ -6,7 +6,8 @@ The hook on TE's real module is checked on GPU (tests/test_gpu_lora_experts.py).
 
 import torch
 
-from lightning_mcore.lora.adapters import LoRAAdapter, LoRAConfig
+from lightning_mcore.lora.adapters import LoRAAdapter
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.lora.grouped import expert_weights, grouped_hook, is_grouped_linear
 
 

@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings
-from lightning_mcore.lora.adapters import LoRAConfig
-from lightning_mcore.objectives.offload import OffloadedWeights, on_device
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.objectives.dpo import DPOModule
 from lightning_mcore.objectives.grpo import GRPOModule
+from lightning_mcore.objectives.offload import OffloadedWeights, on_device
 from lightning_mcore.strategy.memory import MemoryOptionError, validate_reference_offload
 from test_bad_inputs import DPO_DATA, refused, write_config
 from test_dpo import SEQ, pairs

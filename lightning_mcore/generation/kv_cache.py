@@ -22,8 +22,8 @@ import contextlib
 
 import torch
 
-from lightning_mcore.model import inference_context as ic
 from lightning_mcore.generation import reproducible_attention
+from lightning_mcore.model import inference_context as ic
 
 
 class TokenColumns:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from lightning_mcore.lora.adapters import LoRAConfig, LoRAError, adapts_experts
+from lightning_mcore.lora.config import LoRAConfig, LoRAError, adapts_experts
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_mcore.model.config import GPTConfig

@@ -15,13 +15,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mcore import models
-from lightning_mcore.hf.load import load_hf_weights
 from lightning_mcore.generation import batched
 from lightning_mcore.generation.forward_logits import forward_logits
+from lightning_mcore.hf.load import load_hf_weights
+from lightning_mcore.lora.checks import expert_backend_for_lora
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.build import build_chunks  # here, not in the ranks: forked ones share it
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.lora.adapters import LoRAConfig
-from lightning_mcore.lora.checks import expert_backend_for_lora
 from lightning_mcore.objectives.console import count_parameters, replacing_defaults
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 

@@ -33,12 +33,12 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mcore import models
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.lora.adapters import LoRAConfig
-from lightning_mcore.sequence.packing import packed_seq_params
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill_loss import token_cross_entropy, token_divergence
 from lightning_mcore.objectives.frozen import FrozenModel
+from lightning_mcore.sequence.packing import packed_seq_params
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 

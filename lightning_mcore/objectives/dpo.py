@@ -22,12 +22,13 @@ from typing import Literal, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from lightning_mcore.lora.adapters import adapters_disabled
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.sequence.cp_reduce import context_parallel_first, context_parallel_sum
-from lightning_mcore.lora.adapters import LoRAConfig, adapters_disabled
-from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.frozen import ADAPTERS_OFF, FrozenModel, nothing_to_offload
+from lightning_mcore.sequence.cp_reduce import context_parallel_first, context_parallel_sum
+from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",

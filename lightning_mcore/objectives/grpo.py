@@ -41,15 +41,16 @@ import torch.distributed as dist
 
 from lightning_mcore import rewards as reward_lib
 from lightning_mcore.data.packing import build_row
+from lightning_mcore.lora.adapters import adapters_disabled
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model import routing_replay
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.lora.adapters import LoRAConfig, adapters_disabled
-from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.objectives import grpo_loss
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.frozen import ADAPTERS_OFF, FrozenModel, nothing_to_offload
 from lightning_mcore.objectives.grpo_variants import DynamicSampling, OverlongShaping, fill_with_varied_groups
 from lightning_mcore.objectives.rollout import Rollout
+from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 from lightning_mcore.strategy.parallel import LayoutError
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.loss import masked_token_loss
+from lightning_mcore.sequence.packing import forward_packed
 
 
 class SFTModule(MegatronModule):
