@@ -20,6 +20,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import Dataset
 
 from lightning_mcore.data import peek, preprocess
+from lightning_mcore.data.files import BUILDERS, resolve_files
 from lightning_mcore.data.chat import (
     ChatFormat,
     drop_reason,
@@ -194,9 +195,9 @@ def naming_files(paths: Sequence[str]):
 
 def conversation_files(path: str) -> list[str]:
     """The files behind a path or glob, refusing plain text (it holds no conversations)."""
-    files = preprocess.resolve_files(path)
+    files = resolve_files(path)
     for file in files:
-        if preprocess.BUILDERS[os.path.splitext(file)[1].lower()] == "text":
+        if BUILDERS[os.path.splitext(file)[1].lower()] == "text":
             raise ValueError(
                 f"{file!r}: text files hold no conversations; use .jsonl/.json, "
                 ".parquet or a save_to_disk directory"
