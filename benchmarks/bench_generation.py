@@ -1,4 +1,4 @@
-"""Generation speed (issue 21): our KV-cache engine (lightning_mcore.model.generation) against
+"""Generation speed (issue 21): our KV-cache engine (lightning_mcore.generation.batched) against
 transformers' `generate` on the same weights and prompts. Llama-3.2-1B shape with random bf16
 weights, 64 prompts of random tokens, 256 new tokens each, greedy; no stop token, so every row
 makes all its tokens and both sides do the same work.
@@ -85,7 +85,7 @@ def run_ours(args, batch: list[list[int]]) -> dict:
     from torch.utils.data import DataLoader
 
     from lightning_mcore import MegatronStrategy, PretrainModule
-    from lightning_mcore.model.generation import SamplingSettings
+    from lightning_mcore.generation.batched import SamplingSettings
 
     sampling = SamplingSettings(max_new_tokens=args.new, greedy=True, cuda_graphs=not args.eager)
     result: dict = {}

@@ -43,8 +43,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings
 from lightning_mcore.data.packing import build_row
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.flops import training_flops_per_token
-from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.sft import SFTModule
 
 UNTIMED_STEPS = 3  # model build, first allocations, TE autotuning

@@ -130,8 +130,8 @@ def vision_params(config: dict) -> int:
 def flops(config: dict, sample_len: int, grid, full: bool = False) -> tuple[float, float]:
     """(decoder step FLOPs per token, encoder FLOPs per patch): LoRA, 2 x forward and the
     encoder's forward; full fine-tuning (`full`), 3 x forward for both."""
-    from lightning_mcore.models import gpt_config_from_hf
     from lightning_mcore.model.flops import training_flops_per_token
+    from lightning_mcore.models import gpt_config_from_hf
 
     cfg, _ = gpt_config_from_hf(config, seq_length=4096)
     return (training_flops_per_token(cfg, sample_len, frozen_base=not full),
@@ -155,7 +155,7 @@ def ours(args) -> None:
     import lightning as L
 
     from lightning_mcore import MegatronStrategy, OptimizerSettings
-    from lightning_mcore.model.lora import LoRAConfig
+    from lightning_mcore.lora.config import LoRAConfig
     from lightning_mcore.objectives.vision_language import VisionLanguageSFTModule
 
     config = json.load(open(os.path.join(args.model, "config.json")))

@@ -5,8 +5,8 @@ from lightning_mcore import quiet
 quiet.install()  # before megatron.core is imported: its import warns
 
 from lightning_mcore.callbacks import HFExport, MegatronThroughput
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill import DistillModule, DistillSettings
 from lightning_mcore.objectives.dpo import DPOModule

@@ -39,7 +39,7 @@ import lightning as L
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_mcore import cli_errors, config_yaml
-from lightning_mcore.model.lora_checks import LoRAPlanError
+from lightning_mcore.lora.checks import LoRAPlanError
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.refusals import deliberate, report_refusals, traceback_frames
 from lightning_mcore.strategy.forked_ranks import ending_forked_rank
@@ -448,8 +448,8 @@ def _owner_key(error: BaseException) -> Optional[str]:
     from lightning.pytorch.strategies import Strategy
 
     from lightning_mcore.hf.config import HFCheckpointError
+    from lightning_mcore.lora.config import LoRAConfig
     from lightning_mcore.model.config import GPTConfig
-    from lightning_mcore.model.lora import LoRAConfig
     from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
     from lightning_mcore.strategy.optimizer import OptimizerSettings
 

@@ -76,9 +76,10 @@ def export_checkpoint(
     from lightning_mcore.hf.export import export_hf
     from lightning_mcore.hf.export_dir import check_target
     from lightning_mcore.hf.peft_export import export_peft
+    from lightning_mcore.lora.adapters import apply_lora, set_merged
+    from lightning_mcore.lora.config import saved_lora
     from lightning_mcore.model.build import build_chunks
     from lightning_mcore.model.config import to_transformer_config
-    from lightning_mcore.model.lora import apply_lora, saved_lora, set_merged
     from lightning_mcore.strategy import checkpoint_io
     from lightning_mcore.strategy.cpu import cuda_on_cpu
     from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights

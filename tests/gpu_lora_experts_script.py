@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 
 STEPS = 3
 

@@ -278,7 +278,7 @@ def test_qwen3_30b_a3b_sft(tmp_path, hf_stubs):
 
 
 def test_qwen3_30b_a3b_sft_lora(tmp_path, hf_stubs):
-    from lightning_mcore.model.lora import adapts_experts
+    from lightning_mcore.lora.config import adapts_experts
 
     cli = hf_cli("qwen3_30b_a3b_sft_lora.yaml", tmp_path, hf_stubs, None)
     mc, s, lora = cli.model.model_config, cli.trainer.strategy, cli.model.lora

@@ -13,7 +13,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
 
-from lightning_mcore.model.cp_partition import (
+from lightning_mcore.sequence.cp_partition import (
     pad,
     pad_for_cp,
     partition,
@@ -21,7 +21,7 @@ from lightning_mcore.model.cp_partition import (
     unpad,
     unpartition,
 )
-from lightning_mcore.model.packing import cu_seqlens_of
+from lightning_mcore.sequence.packing import cu_seqlens_of
 
 CU = torch.tensor([0, 5, 8, 16], dtype=torch.int32)  # sequences a, b, c of 5, 3, 8 tokens
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from hf_models import make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings
 from lightning_mcore.data.packing import build_row
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.objectives.dpo import METRICS, DPOModule
 from toy import fit, tiny_config
 

@@ -13,8 +13,8 @@ from lightning_mcore import OptimizerSettings, models
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.hf.mappings import local_name
 from lightning_mcore.hf.transforms import RopeRows
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.flops import training_flops_per_token
-from lightning_mcore.model.lora import LoRAConfig
 from test_hf_roundtrip import check_logits_and_export
 from test_lora import TOKENS, fit_lora_at_tp2_sp, peft_and_merged_match
 from test_throughput import counted_training_flops

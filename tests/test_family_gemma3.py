@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM
 
 from hf_models import hf_config_dict, hf_logits, make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-from lightning_mcore.hf.config import HFCheckpointError
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
 from lightning_mcore.data.packing import build_row, pack
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.lora.config import LoRAConfig
+from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
 from lightning_mcore.objectives.sft import SFTModule
 from test_hf_roundtrip import check_logits_and_export
 from test_sft_packing import LENGTHS, samples

@@ -18,8 +18,8 @@ from transformers import AutoConfig
 from hf_models import COMMON, FAMILIES, hf_logits, make_hf_model
 from lightning_mcore import GPTConfig, OptimizerSettings, PretrainModule
 from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.flops import training_flops_per_token
-from lightning_mcore.model.lora import LoRAConfig
 from lightning_mcore.models import family_of, gpt_config_from_hf, hf_config_dict_from_gpt
 from test_lora import TOKENS, fit_lora_at_tp2_sp, peft_and_merged_match, tensors
 from test_throughput import counted_training_flops

@@ -80,7 +80,7 @@ def check_peft_export(family: str, parallel: dict, targets, rows: int, tmp_path)
 
     from hf_models import hf_logits
     from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-    from lightning_mcore.model.lora import LoRAConfig
+    from lightning_mcore.lora.config import LoRAConfig
     from test_family_gemma3 import LoRAProbe, tokens
     from toy import TokenRows
 
@@ -214,7 +214,7 @@ def check_merged_lora(family: str, tmp_path):
 
     from hf_models import hf_logits
     from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-    from lightning_mcore.model.lora import LoRAConfig
+    from lightning_mcore.lora.config import LoRAConfig
     from test_family_gemma3 import tokens
     from toy import TokenRows
 

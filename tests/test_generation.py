@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 
 from hf_models import make_hf_model
 from lightning_mcore import MegatronStrategy, PretrainModule
-from lightning_mcore.model import decode_graphs
-from lightning_mcore.model.generation import SamplingSettings, choose_tokens, generate_batch
+from lightning_mcore.generation import decode_graphs
+from lightning_mcore.generation.batched import SamplingSettings, choose_tokens, generate_batch
 from toy import tiny_config
 
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7, 120], [150, 11, 64, 2]]  # different lengths
@@ -66,7 +66,7 @@ class Generate(L.Callback):
 
     def routing_as_eager(self, pl_module, greedy: SamplingSettings) -> bool:
         """The experts recorded while decoding (from CUDA graphs on GPU) are those recorded eagerly."""
-        from lightning_mcore.model.generation import generate_traced
+        from lightning_mcore.generation.batched import generate_traced
 
         runs = [generate_traced(pl_module._strategy, pl_module.chunks, PROMPTS, pl_module.model_config,
                                 SamplingSettings(**{**asdict(greedy), "cuda_graphs": graphs}), routing=True)

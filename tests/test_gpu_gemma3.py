@@ -15,7 +15,7 @@ from toy import TokenRows
 from transformers import AutoModelForCausalLM
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 

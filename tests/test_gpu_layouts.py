@@ -35,7 +35,7 @@ def test_context_parallel_equals_data_parallel(tmp_path):
 
 def test_packed_sft_and_dpo_context_parallel_equal_cp1(tmp_path):
     """Packed SFT under context parallelism (every sequence padded to a multiple of 2*cp, split
-    over the cp ranks in TE's order: model/packing.py packed_context_parallel_slice) trains like
+    over the cp ranks in TE's order: sequence/packing.py packed_context_parallel_slice) trains like
     CP=1 on the same global batch: same losses and grad norms over 5 steps, within bf16 rounding;
     the same samples one per row (plain causal path) at CP=2 give the packed losses too; DPO's
     policy and reference log-probs (its rewards) at CP=2 equal CP=1."""

@@ -13,7 +13,7 @@ from toy import TokenRows
 from transformers import AutoModelForCausalLM
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 
 pytestmark = [pytest.mark.gpu]
 

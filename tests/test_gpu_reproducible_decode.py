@@ -1,5 +1,5 @@
 """Issue 21 (GPU): under Trainer(deterministic=True) decode steps over more than 128 cached keys are
-bitwise reproducible. TE's fused attention was not (model/reproducible_attention.py): the same
+bitwise reproducible. TE's fused attention was not (generation/reproducible_attention.py): the same
 teacher-forced decoding pass twice gives bitwise-equal logits at every step, decode steps select
 TE's unfused attention and training steps its fused one again."""
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-from lightning_mcore.model.kv_cache import next_token_logits
+from lightning_mcore.generation.kv_cache import next_token_logits
 from toy import TokenRows, tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

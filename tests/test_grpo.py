@@ -350,7 +350,7 @@ def test_prompt_data_batches_groups_and_iterations(tmp_path):
 def test_grpo_learns_a_toy_reward(tmp_path):
     """Acceptance 4: the bundled tiny model, whose samples are mostly noise, learns to start its
     answers with one of the letters a-j (about 1 in 8 of its samples do at first)."""
-    pytest.importorskip("lightning_mcore.model.generation")
+    pytest.importorskip("lightning_mcore.generation.batched")
     from lightning_mcore.data import PromptDataModule
 
     path = tmp_path / "prompts.jsonl"
@@ -388,7 +388,7 @@ def starts_early_in_the_alphabet(prompts, completions, **_):
 
 @pytest.mark.distributed
 def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
-    """The rollout path below a stand-in for generation (model/generation.py's API): each prompt
+    """The rollout path below a stand-in for generation (generation/batched.py's API): each prompt
     asked for num_generations times with its stop tokens and a per-step seed; rewards read the
     decoded completions and the dataset's `answer` column."""
     import sys
@@ -399,7 +399,7 @@ def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
     calls = tmp_path / "calls.jsonl"
     tokenizer = PromptDataModule(str(ROOT / "configs/sample_data/prompts.jsonl"),
                                  str(ROOT / "configs/sample_data/tiny-llama"), 80).tokenizer
-    fake = ModuleType("lightning_mcore.model.generation")
+    fake = ModuleType("lightning_mcore.generation.batched")
 
     class SamplingSettings:
         def __init__(self, **kwargs):

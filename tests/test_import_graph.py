@@ -1,5 +1,7 @@
-"""No import cycles between lightning_mcore's packages, function-level imports included: data
-flows one way (model <- hf <- models <- strategy/objectives <- callbacks <- cli)."""
+"""No import cycles, function-level imports included: between lightning_mcore's packages, data
+flows one way (sequence <- model <- lora <- hf, generation <- models <- strategy/objectives <-
+callbacks <- cli); inside each package, between its modules too (a cycle there means a piece two
+modules share belongs in a module of its own)."""
 
 import ast
 from pathlib import Path
@@ -15,9 +17,16 @@ def node(module: str) -> str:
     return parts[1] if len(parts) > 1 else "lightning_mcore"
 
 
-def imports(path: Path) -> set[str]:
-    """Every lightning_mcore module `path` imports, at any depth of its code."""
-    here = "lightning_mcore." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
+def dotted(path: Path, root: Path = ROOT) -> str:
+    """lightning_mcore.pkg.module for a file under `root` (a package's __init__: the package)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(("lightning_mcore",) + (parts[:-1] if parts[-1] == "__init__" else parts))
+
+
+def imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Every lightning_mcore module `path` imports, at any depth of its code (for `from a import
+    b`: both a and a.b, whichever of them is a module)."""
+    here = "lightning_mcore." + ".".join(path.relative_to(root).with_suffix("").parts)
     found = set()
     for n in ast.walk(ast.parse(path.read_text())):
         if isinstance(n, ast.Import):
@@ -44,6 +53,18 @@ def graph() -> dict[str, set[str]]:
         targets = {t for t in targets if (ROOT / t).is_dir() or (ROOT / f"{t}.py").is_file()}
         edges.setdefault(src, set()).update(targets)
     return edges
+
+
+def module_graphs(root: Path = ROOT) -> dict[str, dict[str, set[str]]]:
+    """For each package (lightning_mcore itself for the top-level modules), which of its modules
+    imports which other of its modules. An __init__ is left out, as in graph()."""
+    modules = {dotted(p, root): p for p in root.rglob("*.py") if p.name != "__init__.py"}
+    graphs: dict[str, dict[str, set[str]]] = {}
+    for name, path in modules.items():
+        package = name.rpartition(".")[0]
+        inside = {m for m in imports(path, root) if m in modules and m != name and m.rpartition(".")[0] == package}
+        graphs.setdefault(package, {})[name] = inside
+    return graphs
 
 
 def cycle(edges: dict[str, set[str]]):
@@ -78,10 +99,38 @@ def test_no_import_cycle_between_packages():
     assert found is None, "import cycle: " + " -> ".join(found)
 
 
+def test_no_import_cycle_between_the_modules_of_a_package():
+    found = {package: cycle(edges) for package, edges in module_graphs().items()}
+    found = {package: c for package, c in found.items() if c}
+    assert not found, "; ".join(f"import cycle in {p}: " + " -> ".join(c) for p, c in found.items())
+
+
 def test_the_check_sees_a_cycle_and_function_level_imports():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
     edges = graph()
     assert "strategy" in edges["objectives"]  # objectives/base.py imports it inside functions
     assert "models" in edges["objectives"] and "hf" in edges["models"]
-    assert not edges["model"] - {"quiet", "atomic", "refusals"}, edges["model"]
+    assert not edges["sequence"] - {"quiet", "atomic", "refusals"}, edges["sequence"]
+    assert not edges["model"] - {"sequence", "quiet", "atomic", "refusals"}, edges["model"]
+    assert not edges["lora"] - {"model", "sequence"}, edges["lora"]
+    assert "lora" in edges["generation"]  # decode_graphs.py, inside a method
+    assert "generation" not in edges["hf"] | edges["lora"] | edges["model"]
+    modules = module_graphs()
+    # function-level imports inside a package: kv_cache.py imports decode_graphs.py in a method
+    assert "lightning_mcore.generation.decode_graphs" in modules["lightning_mcore.generation"][
+        "lightning_mcore.generation.kv_cache"]
+    assert "lightning_mcore.cli_errors" in modules["lightning_mcore"]["lightning_mcore.cli"]
+
+
+def test_the_module_check_fails_on_a_cycle_inside_a_package(tmp_path):
+    """A stand-in package whose two modules import each other, one of them inside a function."""
+    package = tmp_path / "lightning_mcore" / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from lightning_mcore.pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from lightning_mcore.pkg.a import x\n")
+    (package / "c.py").write_text("from lightning_mcore.pkg import a\n")
+    graphs = module_graphs(tmp_path / "lightning_mcore")
+    assert cycle(graphs["lightning_mcore.pkg"]) == ["lightning_mcore.pkg.a", "lightning_mcore.pkg.b",
+                                                     "lightning_mcore.pkg.a"]

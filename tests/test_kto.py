@@ -17,7 +17,7 @@ from lightning_mcore import KTOModule, MegatronStrategy, OptimizerSettings
 from lightning_mcore.cli import main
 from lightning_mcore.data import KTODataModule
 from lightning_mcore.data.packing import build_row
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.objectives.kto import METRICS
 from toy import fit, tiny_config
 
@@ -152,7 +152,7 @@ class RewardsByFileLabel(L.Callback):
         self.out, self.beta = out, beta
 
     def on_train_end(self, trainer, pl_module):
-        from lightning_mcore.model.lora import adapters_disabled
+        from lightning_mcore.lora.adapters import adapters_disabled
 
         rows = trainer.datamodule.train_dataset
         keys = ("tokens", "labels", "loss_mask", "segment_ids")

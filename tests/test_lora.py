@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from hf_models import hf_logits, make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.cli import main
-from lightning_mcore.model.lora import LoRAConfig, LoRAError
+from lightning_mcore.lora.config import LoRAConfig, LoRAError
 from toy import TokenRows, fit, sharded_weights, tiny_config
 
 TOKENS = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(4))

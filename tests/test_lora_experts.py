@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from hf_models import hf_logits, make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
-from lightning_mcore.model.lora import LoRAConfig, LoRAError
+from lightning_mcore.lora.config import LoRAConfig, LoRAError
 from test_lora import TOKENS, Probe, peft_and_merged_match, tensors
 from toy import TokenRows, fit
 

@@ -21,8 +21,8 @@ from process_state import leaves_no_process_state
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.cli import main
 from lightning_mcore.hf.peft_export import PeftExportError, experts_layout
-from lightning_mcore.model.lora import LoRAConfig, LoRAError
-from lightning_mcore.model.lora_checks import check_lora_plan
+from lightning_mcore.lora.checks import check_lora_plan
+from lightning_mcore.lora.config import LoRAConfig, LoRAError
 from test_bad_inputs import MODEL, refused, snapshot, write_config
 from toy import TokenRows
 
@@ -93,7 +93,7 @@ def test_expert_tensor_parallelism_passes_the_pre_launch_checks():
 @pytest.mark.usefixtures("no_fit")
 def test_grouped_gemm_experts_without_te_are_refused_before_launch(capsys, tmp_path):
     grouped = dict(MOE, moe_grouped_gemm=True)
-    # rank 4 is no multiple of 8: 'auto' keeps TE's kernel (model/lora_checks.py), not on CPU
+    # rank 4 is no multiple of 8: 'auto' keeps TE's kernel (lora/checks.py), not on CPU
     with pytest.raises(LoRAError, match="grouped-GEMM experts"):
         check(grouped, LoRAConfig(target_modules="all-linear", rank=4))
     with pytest.raises(LoRAError, match="grouped-GEMM experts"):  # set through `extra` too

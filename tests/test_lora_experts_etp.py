@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_models import hf_logits, make_hf_model
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 from test_lora import TOKENS, peft_and_merged_match
 from test_lora_experts import SGD, fit_at_ep2, trainable
 from test_lora_experts_resume import adapters, run

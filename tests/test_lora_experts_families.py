@@ -16,7 +16,7 @@ import hf_models
 from hf_models import hf_config_dict, hf_logits, make_hf_model
 from lightning_mcore import models
 from lightning_mcore.hf.config import HFCheckpointError
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 from test_lora import TOKENS, peft_and_merged_match, tensors
 from test_lora_experts import fit_at_ep2
 

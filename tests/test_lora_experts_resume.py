@@ -23,7 +23,7 @@ from hf_models import make_hf_model
 from lightning_mcore import MegatronStrategy, OptimizerSettings, PretrainModule
 from lightning_mcore.cli import main
 from lightning_mcore.data.feeding import DataParallelDataModule
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.strategy.checkpoint_io import COMMON, load_plain
 from toy import RecordLosses, StopAfter, TokenRows, assemble, tiny_config
 

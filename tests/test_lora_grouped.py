@@ -1,4 +1,4 @@
-"""The grouped-GEMM experts' LoRA hook (model/lora_grouped.py), on CPU against a hand computation:
+"""The grouped-GEMM experts' LoRA hook (lora/grouped.py), on CPU against a hand computation:
 a stand-in for TE's grouped linear (one weight per local expert, rows sorted by expert with
 counts m_splits) gets each expert's x_e W_e^T + scale * B_e A_e x_e (A_e, B_e: slices of the stacked adapter),
 empty experts included.
@@ -6,8 +6,9 @@ The hook on TE's real module is checked on GPU (tests/test_gpu_lora_experts.py).
 
 import torch
 
-from lightning_mcore.model.lora import LoRAAdapter, LoRAConfig
-from lightning_mcore.model.lora_grouped import expert_weights, grouped_hook, is_grouped_linear
+from lightning_mcore.lora.adapters import LoRAAdapter
+from lightning_mcore.lora.config import LoRAConfig
+from lightning_mcore.lora.grouped import expert_weights, grouped_hook, is_grouped_linear
 
 
 class GroupedLinear(torch.nn.Module):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hf_models import hf_logits, make_hf_model
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.lora_checks import LoRAPlanError, check_lora_plan
+from lightning_mcore.lora.checks import LoRAPlanError, check_lora_plan
+from lightning_mcore.lora.config import LoRAConfig
 from test_lora import TOKENS, peft_and_merged_match
 from test_lora_experts import SGD, fit_at_ep2, trainable
 from toy import TokenRows, fit, tiny_config

@@ -1,5 +1,5 @@
 """offload_reference (issue 22): a frozen DPO/GRPO reference kept in CPU memory, on the device only
-for its forward pass (model/offload.py). Here on CPU: the weights round-trip bitwise in the same
+for its forward pass (objectives/offload.py). Here on CPU: the weights round-trip bitwise in the same
 Parameter objects; each block works on fresh copies and leaves the CPU copy as it was; DPO and
 GRPO runs take their reference passes on those copies and give the losses of runs without
 offload; what has nothing to offload, or no GPU to save, is refused. On CPU the losses would be
@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_mcore import MegatronStrategy, OptimizerSettings
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.offload import OffloadedWeights, on_device
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.objectives.dpo import DPOModule
 from lightning_mcore.objectives.grpo import GRPOModule
+from lightning_mcore.objectives.offload import OffloadedWeights, on_device
 from lightning_mcore.strategy.memory import MemoryOptionError, validate_reference_offload
 from test_bad_inputs import DPO_DATA, refused, write_config
 from test_dpo import SEQ, pairs

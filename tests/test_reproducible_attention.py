@@ -1,4 +1,4 @@
-"""model/reproducible_attention.py on CPU: the switch sets TE's backend variable and its
+"""generation/reproducible_attention.py on CPU: the switch sets TE's backend variable and its
 reselection flag inside the block and restores both after (a stand-in for TE's backend cache
 module); it does nothing unless asked, or on CPU."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from lightning_mcore.model import reproducible_attention
+from lightning_mcore.generation import reproducible_attention
 
 TE_MODULE = "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
 

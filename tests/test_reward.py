@@ -253,7 +253,7 @@ def test_unsupported_family_is_refused_before_workers(capsys, tmp_path, monkeypa
 
 
 def test_lora_is_refused():
-    from lightning_mcore.model.lora import LoRAConfig
+    from lightning_mcore.lora.config import LoRAConfig
 
     with pytest.raises(ValueError, match="LoRA .* is not supported yet"):
         RewardModule(tiny_config(), lora=LoRAConfig())

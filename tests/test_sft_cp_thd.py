@@ -11,8 +11,8 @@ Engine's order in test_cp_partition), never the slicing under test.
 import pytest
 import torch
 
-from lightning_mcore.model import cp_partition
-from lightning_mcore.model.packing import (
+from lightning_mcore.sequence import cp_partition
+from lightning_mcore.sequence.packing import (
     cp_row_length,
     packed_context_parallel_slice,
     packed_seq_params,

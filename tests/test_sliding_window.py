@@ -27,9 +27,9 @@ from lightning_mcore import (
 )
 from lightning_mcore.data.packing import build_row, pack
 from lightning_mcore.model.config import to_transformer_config
-from lightning_mcore.model.packing import block_causal_mask, causal_mask
 from lightning_mcore.models import gpt_config_from_hf, hf_config_dict_from_gpt
 from lightning_mcore.objectives.sft import SFTModule
+from lightning_mcore.sequence.packing import block_causal_mask, causal_mask
 from lightning_mcore.strategy.parallel import validate_layout
 from test_sft_packing import LENGTHS, SEQ, samples
 from toy import assemble, fit, tiny_config

@@ -96,8 +96,8 @@ def test_auto_picks_torch_where_it_runs():
     rank that is not a multiple of 8 resolves it to 'te' in the module, an explicit 'te' stays TE's.
     moe_grouped_gemm=None (the default) groups the experts where torch's kernel runs, else
     leaves them to the SequentialMLP loop."""
-    from lightning_mcore.model.lora import LoRAConfig
-    from lightning_mcore.model.lora_checks import expert_backend_for_lora
+    from lightning_mcore.lora.checks import expert_backend_for_lora
+    from lightning_mcore.lora.config import LoRAConfig
 
     grouped = moe(moe_grouped_gemm=True)
     assert grouped.moe_grouped_gemm_backend == "auto" and grouped.torch_experts

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from vlm_models import make_vlm, sample
 from lightning_mcore import MegatronStrategy
-from lightning_mcore.model.generation import SamplingSettings
+from lightning_mcore.generation.batched import SamplingSettings
 from lightning_mcore.objectives.vision_language import VisionLanguageSFTModule
 
 LAYOUTS = {"tp1": (1, {}), "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),

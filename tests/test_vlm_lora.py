@@ -18,7 +18,7 @@ from toy import RecordLosses, StopAfter
 from vlm_models import batch, hf_logits, make_vlm, sample
 from lightning_mcore import MegatronStrategy, OptimizerSettings
 from lightning_mcore.cli import main
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.objectives.vision_language import Freezing, VisionLanguageSFTModule
 
 SEQ = 48

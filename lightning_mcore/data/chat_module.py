@@ -17,6 +17,7 @@ import torch
 from lightning_mcore.data import peek, preprocess
 from lightning_mcore.data.chat import resolve_template
 from lightning_mcore.data.feeding import DataParallelDataModule
+from lightning_mcore.data.files import BUILDERS, resolve_files
 
 
 def check_options(paths: Sequence[str], seq_length: Any, val_split: float, tokenizer: str) -> None:
@@ -54,9 +55,9 @@ def naming_files(paths: Sequence[str]):
 
 def conversation_files(path: str) -> list[str]:
     """The files behind a path or glob, refusing plain text (it holds no conversations)."""
-    files = preprocess.resolve_files(path)
+    files = resolve_files(path)
     for file in files:
-        if preprocess.BUILDERS[os.path.splitext(file)[1].lower()] == "text":
+        if BUILDERS[os.path.splitext(file)[1].lower()] == "text":
             raise ValueError(
                 f"{file!r}: text files hold no conversations; use .jsonl/.json, "
                 ".parquet or a save_to_disk directory"

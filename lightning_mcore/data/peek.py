@@ -12,7 +12,7 @@ import json
 import os
 from typing import IO, Any, Callable, Iterator, Optional, Sequence
 
-from lightning_mcore.data import preprocess
+from lightning_mcore.data.files import BUILDERS, resolve_files
 
 PEEK_RECORDS = 100
 # A JSON array must be parsed whole to reach its first record: only below this size.
@@ -25,7 +25,7 @@ def first_records(path: str, count: int = PEEK_RECORDS) -> Optional[tuple[list[s
     An empty file gives ([], [])."""
     if os.path.isdir(os.path.expanduser(path)):
         return _saved_records(os.path.expanduser(path), count)
-    builder = preprocess.BUILDERS[os.path.splitext(path)[1].lower()]
+    builder = BUILDERS[os.path.splitext(path)[1].lower()]
     if builder == "parquet":
         return _parquet_records(path, count)
     if builder == "json":
@@ -191,7 +191,7 @@ def records_of(paths: Sequence[str]) -> list[tuple[str, list[str], list[dict]]]:
 def data_files(paths: Sequence[str]) -> list[str]:
     """The files (globs expanded) and saved dataset directories of data paths, in order."""
     return [file for path in paths for file in
-            ([path] if os.path.isdir(os.path.expanduser(path)) else preprocess.resolve_files(path))]
+            ([path] if os.path.isdir(os.path.expanduser(path)) else resolve_files(path))]
 
 
 def column_values(path: str, column: str) -> Optional[Iterator[Any]]:
@@ -201,7 +201,7 @@ def column_values(path: str, column: str) -> Optional[Iterator[Any]]:
     if os.path.isdir(os.path.expanduser(path)):
         loaded = _saved_dataset(os.path.expanduser(path))
         return iter(loaded[column]) if loaded is not None and column in loaded.column_names else None
-    if preprocess.BUILDERS[os.path.splitext(path)[1].lower()] == "parquet":
+    if BUILDERS[os.path.splitext(path)[1].lower()] == "parquet":
         import pyarrow.parquet as pq
 
         file = pq.ParquetFile(path)

@@ -18,45 +18,20 @@ surrounding whitespace and empty ones are skipped.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import os
 import sys
-from typing import Any, Iterable, NoReturn, Optional, Sequence, Union
+from typing import Any, Iterable, NoReturn, Optional, Sequence
 
 import numpy as np
 
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-
-def resolve_files(paths: Union[str, Sequence[str]]) -> list[str]:
-    """Expand files and globs in order; fail on a path that matches nothing or an unknown type."""
-    files: list[str] = []
-    for path in [paths] if isinstance(paths, str) else list(paths):
-        matches = sorted(glob.glob(os.path.expanduser(path), recursive=True))
-        matches = [m for m in matches if os.path.isfile(m)]
-        if not matches:
-            raise FileNotFoundError(f"no file matches {path!r}{_relative_to(path)}")
-        for match in matches:
-            if os.path.splitext(match)[1].lower() not in BUILDERS:
-                raise ValueError(
-                    f"unsupported file type {match!r}: use one of {', '.join(sorted(BUILDERS))}"
-                )
-            if match not in files:
-                files.append(match)
-    return files
-
-
-def _relative_to(path: str) -> str:
-    """For an error about a relative path: the working directory it was looked for in."""
-    return "" if os.path.isabs(os.path.expanduser(path)) else f" (relative to the working directory {os.getcwd()})"
-
+from lightning_mcore.data.files import BUILDERS, relative_to, resolve_files
 
 def tokenizer_dir(path: str) -> str:
     """The expanded tokenizer directory, or an error naming it if it does not exist."""
     if not os.path.isdir(os.path.expanduser(path)):
-        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist{_relative_to(path)}")
+        raise FileNotFoundError(f"tokenizer directory {path!r} does not exist{relative_to(path)}")
     return os.path.expanduser(path)
 
 

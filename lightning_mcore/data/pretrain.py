@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from lightning_mcore.data import peek, preprocess
+from lightning_mcore.data.files import BUILDERS, resolve_files
 from lightning_mcore.data.feeding import DataParallelDataModule
 
 
@@ -116,11 +117,11 @@ class PretrainDataModule(DataParallelDataModule):
         if not 0.0 <= val_split < 1.0:
             raise ValueError(f"val_split must be in [0, 1), got {val_split}")
         self.save_hyperparameters()
-        self.files = preprocess.resolve_files(paths) if paths is not None else None
+        self.files = resolve_files(paths) if paths is not None else None
         self.indexed_prefixes = list(indexed_prefixes) if indexed_prefixes is not None else None
         preprocess.tokenizer_dir(tokenizer)  # fail now, not after the trainer has started
         for file in self.files or ():
-            if preprocess.BUILDERS[os.path.splitext(file)[1].lower()] == "text":
+            if BUILDERS[os.path.splitext(file)[1].lower()] == "text":
                 peek.check_has_text(file)
             else:
                 peek.check_text_field(file, text_field)

@@ -20,16 +20,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from lightning_mcore.hf.export_dir import check_target, staged_dir
+from lightning_mcore.hf.export_dir import PROCESSOR_FILES, TOKENIZER_FILES, check_target, staged_dir
 from lightning_mcore.hf.load import chunk_parameters, dims_of, parallel_ranks, size_of
 from lightning_mcore.hf.mappings import Entry, shape_symbols
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-)
-# A multimodal model's processor (image/video preprocessing) travels with it too.
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

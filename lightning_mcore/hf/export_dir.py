@@ -30,6 +30,13 @@ import torch.distributed as dist
 from lightning_mcore.atomic import replace_dir
 
 MARKER = "lightning_mcore_export.json"
+# The tokenizer files an export copies beside the weights.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+# A multimodal model's processor (image/video preprocessing) travels with it too.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 class ExportTargetError(ValueError):
@@ -83,8 +90,6 @@ def first_foreign(directory: Path) -> Optional[str]:
     that the export its MARKER describes did not write; None when there is none."""
     listed = _listed_files(directory)
     if listed is None:
-        from lightning_mcore.hf.export import PROCESSOR_FILES, TOKENIZER_FILES
-
         known = {*TOKENIZER_FILES, *PROCESSOR_FILES}
         listed = {p.name for p in directory.iterdir() if p.name in known or _EXPORT_NAME.fullmatch(p.name)}
     parents = {parent.as_posix() for name in listed for parent in Path(name).parents}

@@ -27,11 +27,12 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_mcore.hf.export import TOKENIZER_FILES, copy_files, gather_shards
-from lightning_mcore.hf.export_dir import check_target, staged_dir
+from lightning_mcore.hf.export import copy_files, gather_shards
+from lightning_mcore.hf.export_dir import TOKENIZER_FILES, check_target, staged_dir
 from lightning_mcore.hf.mappings import Entry, FusedExperts
 from lightning_mcore.hf.transforms import Dims
-from lightning_mcore.model.lora import TARGETS, adapters_of, base_path, global_expert
+from lightning_mcore.lora.adapters import adapters_of, base_path, global_expert
+from lightning_mcore.lora.config import TARGETS
 
 EXPERT_LAYOUTS = ("fused", "per_expert")
 

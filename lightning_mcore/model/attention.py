@@ -32,7 +32,7 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
 )
 
-from lightning_mcore.model.packing import block_causal_mask, causal_mask
+from lightning_mcore.sequence.packing import block_causal_mask, causal_mask
 
 
 class SDPAttention(MegatronModule):

@@ -236,7 +236,7 @@ class GPTConfig:
         """Why torch's grouped GEMM cannot compute this model's experts, with the fields involved;
         None when it can. 'auto' then keeps TE's kernel, an explicit 'torch' is refused
         (strategy/expert_gemm.py). LoRA on experts with a rank that is not a multiple
-        of 8 resolves 'auto' to 'te' before (model/lora_checks.py)."""
+        of 8 resolves 'auto' to 'te' before (lora/checks.py)."""
         ffn = self.moe_ffn_hidden_size or self.ffn_hidden_size
         if self.hidden_size % 8 or ffn % 8:
             return (f"torch's grouped GEMM needs hidden_size ({self.hidden_size}) and moe_ffn_hidden_size "

@@ -11,7 +11,7 @@ L2 norm; each query/key head serves num_value_heads / num_key_heads consecutive 
 Training and prefill use mcore's torch chunked form of the rule (exact, one chunk of 64 tokens
 at a time), or on GPU flash-linear-attention's chunked Triton kernel where fla computes it
 right (`fla_kernel`: fla installed and Triton >= 3.7.1; fla itself refuses its backward on
-Hopper with older Triton); a cached decode step (model/kv_cache.py) applies the update above
+Hopper with older Triton); a cached decode step (generation/kv_cache.py) applies the update above
 once, from the convolution window and the state kept in the inference context.
 
 Parameter names and the sharded checkpoint layout are mcore's GatedDeltaNet's (whose own

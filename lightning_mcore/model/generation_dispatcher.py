@@ -4,9 +4,9 @@ copy of token counts to the host, static shapes.
 Why: mcore's all-to-all dispatcher needs its split sizes on the host, one wait per MoE layer and
 step, which keeps a decode step host-bound and out of CUDA graphs. Here every shape depends only
 on the token count, nothing reads the device, and the result sums in a fixed order: a step can
-be captured (model/decode_graphs.py). The design extends to expert parallelism, as generation's
+be captured (generation/decode_graphs.py). The design extends to expert parallelism, as generation's
 tokens are the same on every rank of the group (sequence parallelism off; every data-parallel
-rank generates all ranks' prompts, model/generation.py): each rank would add its experts' share
+rank generates all ranks' prompts, generation/batched.py): each rank would add its experts' share
 and one all-reduce sum the shares. On CPU that equals the all-to-all; on GPU it did not yet
 (serves_generation), so EP > 1 keeps mcore's dispatcher.
 

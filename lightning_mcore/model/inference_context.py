@@ -12,7 +12,7 @@ engine's paged KV cache needs flash-attn >= 2.7.3, which our GPU images lack. Wh
 context goes, only this file changes: `new_context` builds the dynamic context (or a context class
 of our own with the same four fields: `key_value_memory_dict`, `sequence_len_offset`, the
 prefill/decode switch, `max_batch_size`) and `inference_mode` follows mcore's new flag; the callers
-(model/kv_cache.py, model/decode_graphs.py, model/gated_delta_net.py) only use the functions below.
+(generation/kv_cache.py, generation/decode_graphs.py, model/gated_delta_net.py) only use the functions below.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def _expert_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
 
 def grouped_lora_update(adapter, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """scale * B_e A_e x on each expert's rows, for a layer's stacked expert adapter
-    (model/lora.py: lora_A [E, r, in], lora_B [E, out, r]): two more grouped GEMMs of rank r."""
+    (lora/adapters.py: lora_A [E, r, in], lora_B [E, out, r]): two more grouped GEMMs of rank r."""
     if adapter.dropout and adapter.training:
         x = F.dropout(x, adapter.dropout)
     h = StackedExpertLinear.apply(x, offsets, adapter.lora_A)  # [T, r]
@@ -119,7 +119,7 @@ def grouped_lora_update(adapter, x: torch.Tensor, offsets: torch.Tensor) -> torc
 
 class TorchGroupedMLP(SequentialMLP):
     """A SequentialMLP computed as two grouped GEMMs whose group offsets stay on the device.
-    `lora_adapters` ({"linear_fc1": adapter, ...}, set by model/lora.py; not submodules, the
+    `lora_adapters` ({"linear_fc1": adapter, ...}, set by lora/adapters.py; not submodules, the
     adapters live in the model's LoRA dict): each adds its update to its GEMM's output."""
 
     lora_adapters: dict = {}

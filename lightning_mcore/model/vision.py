@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from lightning_mcore.model.packing import packed_seq_params_for
+from lightning_mcore.sequence.packing import packed_seq_params_for
 
 
 def unwrap(chunk):

@@ -164,7 +164,7 @@ def export_layout(cfg: GPTConfig, family: Optional[str], lora, mode: str, reques
     """The layout of the expert adapters in an export of `mode` (`lora_experts_layout`; None: the
     default), after refusing one the model cannot hold or that peft would load wrong."""
     from lightning_mcore.hf.peft_export import experts_layout
-    from lightning_mcore.model.lora import adapts_experts
+    from lightning_mcore.lora.config import adapts_experts
 
     layout = experts_layout(requested, mode, lora is not None and adapts_experts(lora, cfg),
                             peft_experts(cfg, family))
@@ -176,7 +176,7 @@ def export_layout(cfg: GPTConfig, family: Optional[str], lora, mode: str, reques
 def refuse_peft_export(cfg: GPTConfig, family: Optional[str], lora, experts_layout: str = "fused") -> None:
     """Refuse a PEFT export that peft would load wrong (the adapter is fine merged).
     `experts_layout="per_expert"`: expert adapters under per-expert names, peft's limits aside."""
-    from lightning_mcore.model.lora import adapts_experts, resolve_targets
+    from lightning_mcore.lora.config import adapts_experts, resolve_targets
 
     arch = _family(cfg, family)
     if adapts_experts(lora, cfg):

@@ -15,12 +15,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mcore import models
+from lightning_mcore.generation import batched
+from lightning_mcore.generation.forward_logits import forward_logits
 from lightning_mcore.hf.load import load_hf_weights
-from lightning_mcore.model import generation, inference
+from lightning_mcore.lora.checks import expert_backend_for_lora
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.build import build_chunks  # here, not in the ranks: forked ones share it
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.lora_checks import expert_backend_for_lora
 from lightning_mcore.objectives.console import count_parameters, replacing_defaults
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
@@ -75,7 +76,7 @@ class MegatronModule(L.LightningModule):
                 f"MegatronStrategy checkpoint directory, got {type(model).__name__}."
             )
         self.optim = optim or OptimizerSettings()
-        self.lora = lora  # LoRA adapters on the frozen base (model/lora.py), or None
+        self.lora = lora  # LoRA adapters on the frozen base (lora/adapters.py), or None
         self.model_config = expert_backend_for_lora(lora, self.model_config)
         self.chunks: Optional[torch.nn.ModuleList] = None
 
@@ -106,7 +107,7 @@ class MegatronModule(L.LightningModule):
         strategy = self._strategy()
         chunks = self._build_chunks(strategy)
         if self.lora is not None:
-            from lightning_mcore.model.lora import apply_lora
+            from lightning_mcore.lora.adapters import apply_lora
 
             apply_lora(chunks, self.lora, strategy.seed)
             trainable = count_parameters(chunks, trainable_only=True)
@@ -158,7 +159,7 @@ class MegatronModule(L.LightningModule):
         `directory` must be new or empty; `overwrite` replaces an earlier export (never other
         files: hf/export_dir.py)."""
         from lightning_mcore.hf.export import export_hf
-        from lightning_mcore.model.lora import set_merged
+        from lightning_mcore.lora.adapters import set_merged
 
         layout = self.check_hf_export(mode, lora_experts_layout)
         strategy = self._strategy()
@@ -230,25 +231,23 @@ class MegatronModule(L.LightningModule):
 
     def forward_logits(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
         """Full-vocabulary logits [batch, seq, vocab] of `tokens`, on every rank (collective)."""
-        return inference.forward_logits(self._strategy, self.chunks, tokens, self.model_config,
-                                        position_ids)
+        return forward_logits(self._strategy, self.chunks, tokens, self.model_config, position_ids)
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop: Optional[list[int]] = None) -> list[int]:
         """Greedy continuation of one prompt (KV cache). Collective: call on every rank; every
         rank returns the same tokens. Stops after any token in `stop` (kept)."""
-        return inference.generate(self._strategy, self.chunks, prompt, max_new_tokens,
-                                  self.model_config, stop)
+        return batched.generate(self._strategy, self.chunks, prompt, max_new_tokens, self.model_config, stop)
 
     def generate_batch(self, prompts: list[list[int]],
-                       sampling: generation.SamplingSettings) -> list[list[int]]:
+                       sampling: batched.SamplingSettings) -> list[list[int]]:
         """Completions (new tokens only) of `prompts`, greedy or sampled (collective)."""
-        return generation.generate_batch(self._strategy, self.chunks, prompts, self.model_config, sampling)
+        return batched.generate_batch(self._strategy, self.chunks, prompts, self.model_config, sampling)
 
     def predict_step(self, batch: dict, batch_idx: int):
         """Full-vocabulary logits [batch, seq, vocab] of batch["tokens"] (on every rank); or, for
         a batch {"prompts": [[ids]], "sampling": SamplingSettings (optional, greedy)}, the completions."""
         if "prompts" in batch:
-            sampling = batch.get("sampling") or generation.SamplingSettings(greedy=True)
+            sampling = batch.get("sampling") or batched.SamplingSettings(greedy=True)
             return self.generate_batch(batch["prompts"], sampling)
         return self.forward_logits(batch["tokens"], batch.get("position_ids"))
 

@@ -33,12 +33,12 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mcore import models
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.packing import packed_seq_params
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill_loss import token_cross_entropy, token_divergence
 from lightning_mcore.objectives.frozen import WithFrozenModel
+from lightning_mcore.sequence.packing import packed_seq_params
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
@@ -245,7 +245,7 @@ class DistillModule(WithFrozenModel, MegatronModule):
 
 
 def _packed_logits(chunk, batch: dict):
-    """One microbatch through a chunk as a single THD row (model/packing.py): vocab-parallel
+    """One microbatch through a chunk as a single THD row (sequence/packing.py): vocab-parallel
     logits [1, micro_batch * seq, vocab / tp] on the last stage, hidden states elsewhere."""
     flat = {k: batch[k].reshape(1, -1) for k in ("tokens", "position_ids")}
     return chunk(input_ids=flat["tokens"], position_ids=flat["position_ids"], attention_mask=None,

@@ -22,12 +22,12 @@ from typing import Literal, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.cp_reduce import context_parallel_first, context_parallel_sum
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.frozen import ADAPTERS_OFF, WithFrozenModel, nothing_to_offload
+from lightning_mcore.sequence.cp_reduce import context_parallel_first, context_parallel_sum
+from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -38,7 +38,7 @@ def pair_logps(token_losses: torch.Tensor, batch: dict, average: bool = False,
                rows: Optional[int] = None) -> torch.Tensor:
     """[rows, 2]: (chosen, rejected) summed (or averaged) response log-probs of each row. Under
     context parallelism (`batch` is this rank's share, with row_ids; `rows`: the microbatch's
-    rows) the sums of all cp ranks' shares are added (model/cp_reduce.py)."""
+    rows) the sums of all cp ranks' shares are added (sequence/cp_reduce.py)."""
     sums, counts = pair_sums(token_losses, batch, rows)
     if "row_ids" in batch:
         sums, counts = context_parallel_sum(sums), context_parallel_sum(counts)

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from lightning_mcore.model.lora import adapters_disabled
-from lightning_mcore.model.offload import OffloadedWeights, on_device
+from lightning_mcore.lora.adapters import adapters_disabled
+from lightning_mcore.objectives.offload import OffloadedWeights, on_device
 
 # why a LoRA policy's reference has no copy of the weights to offload (DPO's and GRPO's refusals)
 ADAPTERS_OFF = "the reference is the policy's own base weights with the adapters off, not a copy"
@@ -19,7 +19,7 @@ ADAPTERS_OFF = "the reference is the policy's own base weights with the adapters
 
 class FrozenModel:
     """This rank's `chunks`, without gradients and in eval mode. `offload`: their weights wait in
-    CPU memory (model/offload.py) and are on the device only inside `forward_collect`; give
+    CPU memory (objectives/offload.py) and are on the device only inside `forward_collect`; give
     chunks whose weights are loaded already."""
 
     def __init__(self, chunks: list, offload: bool = False) -> None:

@@ -4,7 +4,7 @@ Per rollout (objectives/grpo_loss.py has the formulas):
 
 1. the batch's prompts (PromptDataModule: ``prompt_ids``, ``prompt`` and the dataset's other
    columns), each repeated ``num_generations`` times, are continued by the current policy
-   (model/generation.py, the same sharded chunks, LoRA adapters on);
+   (generation/batched.py, the same sharded chunks, LoRA adapters on);
 2. reward functions score the decoded completions; their weighted sum, normalized within each
    prompt's group, is every completion's advantage;
 3. one row per completion (prompt + completion, loss on the completion's tokens, packed THD
@@ -41,22 +41,22 @@ import torch.distributed as dist
 
 from lightning_mcore import rewards as reward_lib
 from lightning_mcore.data.packing import build_row
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model import routing_replay
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives import grpo_loss
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.frozen import ADAPTERS_OFF, WithFrozenModel, nothing_to_offload
 from lightning_mcore.objectives.grpo_variants import DynamicSampling, OverlongShaping, fill_with_varied_groups
 from lightning_mcore.objectives.rollout import Rollout
+from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 from lightning_mcore.strategy.parallel import LayoutError
 
 
 @dataclass
 class GRPOSampling:
-    """How rollouts are sampled (model/generation.py's SamplingSettings without the length,
+    """How rollouts are sampled (generation/batched.py's SamplingSettings without the length,
     which is GRPOModule's max_completion_length). `stop`: token ids that end a completion, besides
     the prompt data's own (its tokenizer's end-of-sequence and end-of-turn tokens). `seed` is
     offset by the step, so that every rollout draws new samples."""
@@ -278,7 +278,7 @@ class GRPOModule(WithFrozenModel, MegatronModule):
     def generate_rollout(self, batch: dict, round_: int = 0) -> Rollout:
         """`num_generations` completions of each prompt of `batch`, scored; `round_` > 0 (dynamic
         sampling's extra generations) draws with another seed."""
-        from lightning_mcore.model.generation import SamplingSettings, generate_traced
+        from lightning_mcore.generation.batched import SamplingSettings, generate_traced
 
         strategy = self._strategy()
         prompt_ids = [list(p) for p in batch["prompt_ids"] for _ in range(self.num_generations)]

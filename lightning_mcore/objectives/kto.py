@@ -27,10 +27,10 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.dpo import DPOModule, pair_logps
+from lightning_mcore.sequence.packing import forward_packed
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")

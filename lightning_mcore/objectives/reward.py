@@ -45,10 +45,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_mcore import models
 from lightning_mcore.hf.load import unwrap
 from lightning_mcore.hf.score_head import reward_weights, seq_cls_config
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig, refuse_longer
-from lightning_mcore.model.lora import LoRAConfig
-from lightning_mcore.model.packing import packed_seq_params
 from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.sequence.packing import packed_seq_params
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 METRICS = ("loss", "accuracy", "reward_gap", "rewards/chosen", "rewards/rejected")

@@ -2,7 +2,7 @@
 
 Batches come from SFTDataModule: tokens, labels, loss_mask, position_ids and segment_ids,
 each [micro_batch, seq]. Every microbatch goes through the model as one packed THD row
-(model/packing.py), so samples sharing a row never attend to each other and their positions
+(sequence/packing.py), so samples sharing a row never attend to each other and their positions
 restart; the loss is summed over assistant tokens and divided by their count over the whole
 global batch (objectives/loss.py).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from lightning_mcore.model.packing import forward_packed
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.loss import masked_token_loss
+from lightning_mcore.sequence.packing import forward_packed
 
 
 class SFTModule(MegatronModule):

@@ -2,8 +2,8 @@
 
 A prompt is what the model's processor gives for one sample: `input_ids` (image placeholders
 included), `pixel_values` [patches, dim] and `image_grid_thw` [images, 3]. Generation runs through
-the KV cache as a language model's does (model/generation.py), the images encoded once and their
-embeddings looked up where a step reaches a placeholder (model/vision_columns.py). The M-RoPE
+the KV cache as a language model's does (generation/batched.py), the images encoded once and their
+embeddings looked up where a step reaches a placeholder (generation/vision_columns.py). The M-RoPE
 positions of prompt and completion are transformers' (data/mrope_positions.py).
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from lightning_mcore.data.mrope_positions import mrope_positions
-from lightning_mcore.model.generation import SamplingSettings, generate_columns, refuse_too_long
-from lightning_mcore.model.vision_columns import VisionColumns
+from lightning_mcore.generation.batched import SamplingSettings, generate_columns, refuse_too_long
+from lightning_mcore.generation.vision_columns import VisionColumns
 
 
 def prompt_parts(prompt: dict, index: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:

@@ -19,10 +19,10 @@ from functools import partial
 from typing import Optional, Union
 
 from lightning_mcore import models
-from lightning_mcore.model.config import GPTConfig
-from lightning_mcore.model.lora import LoRAConfig
+from lightning_mcore.generation.batched import SamplingSettings
+from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model import vision
-from lightning_mcore.model.generation import SamplingSettings
+from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.objectives.loss import masked_token_loss
 from lightning_mcore.objectives.sft import SFTModule
 from lightning_mcore.objectives.vision_generation import generate_vision_language

@@ -328,7 +328,7 @@ def check_resumed_lora(path, saved, lora, model_config) -> None:
     """Refuse a resume whose LoRA config (`lora`) builds other adapters than the checkpoint's
     (`saved`, its recorded fields): they would miss from it or go untrained. A checkpoint from
     before expert adapters recorded no `experts`: its experts stayed frozen (experts=False)."""
-    from lightning_mcore.model.lora import adapts_experts, resolve_targets, saved_lora
+    from lightning_mcore.lora.config import adapts_experts, resolve_targets, saved_lora
 
     if (saved is None) != (lora is None):
         raise CheckpointLoadError(

@@ -215,7 +215,7 @@ class MegatronStrategy(DDPStrategy):
         validate_reference_offload(getattr(module, "offload_reference", False),
                                    "cpu" if self.on_cpu else "gpu")
         if getattr(module, "lora", None) is not None and model_config is not None:
-            from lightning_mcore.model.lora_checks import check_lora_plan
+            from lightning_mcore.lora.checks import check_lora_plan
 
             check_lora_plan(module.lora, model_config, self.uses_te(model_config))
         if model_config is not None:  # after LoRA's check, whose refusal names the LoRA fix
@@ -365,7 +365,7 @@ class MegatronStrategy(DDPStrategy):
 
         rank = parallel_state.get_context_parallel_rank()
         if packed:
-            from lightning_mcore.model.packing import cp_row_length, packed_context_parallel_slice
+            from lightning_mcore.sequence.packing import cp_row_length, packed_context_parallel_slice
 
             self.refuse_packed_context_parallel(self.lightning_module)
             multiple = 2 * cp * (self.parallel.tensor_model_parallel_size
@@ -481,7 +481,7 @@ class MegatronStrategy(DDPStrategy):
             config.param_sync_func = [c.start_param_sync for c in wrapped]
             if len(wrapped) == 1:
                 config.param_sync_func = wrapped[0].start_param_sync
-        from lightning_mcore.model.lora import with_expert_tp_grad_sums  # expert-TP LoRA factors
+        from lightning_mcore.lora.adapters import with_expert_tp_grad_sums  # expert-TP LoRA factors
 
         config.finalize_model_grads_func = with_expert_tp_grad_sums(finalize_model_grads)
 
@@ -541,7 +541,7 @@ class MegatronStrategy(DDPStrategy):
         come back as per-token means over the global batch on every rank; from a training step
         as CPU tensors, read back with the update's check (`_checked_step`). `packed`: the
         forward step sends each [micro_batch, seq] microbatch through the model as one THD row
-        of micro_batch * seq tokens (model/packing.py), which sets the pipeline's tensor shape.
+        of micro_batch * seq tokens (sequence/packing.py), which sets the pipeline's tensor shape.
         """
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -2,7 +2,7 @@
 
 The strategy runs `check_lora_plan` before any process group or model exists (validate_module),
 so a mistake ends with one error naming its settings instead of a traceback from every rank.
-apply_lora (model/lora.py) keeps the same checks on the built modules, as a second line.
+apply_lora (lora/adapters.py) keeps the same checks on the built modules, as a second line.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from lightning_mcore.model.lora import LoRAConfig, LoRAError, adapts_experts
+from lightning_mcore.lora.config import LoRAConfig, LoRAError, adapts_experts
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_mcore.model.config import GPTConfig

@@ -1,7 +1,8 @@
-"""Logits and greedy generation through the strategy's forward-only schedule.
+"""Full-vocabulary logits of whole token rows through the strategy's forward-only schedule (no
+KV cache: predict_step and MegatronModule.forward_logits).
 
-Collective: every rank calls these with the same tokens and gets the same result. Batched and
-sampled generation with a KV cache: model/generation.py.
+Collective: every rank calls it with the same tokens and gets the same result. Generation with a
+KV cache: generation/batched.py.
 """
 
 from __future__ import annotations
@@ -49,12 +50,3 @@ def forward_logits(strategy, chunks, tokens: torch.Tensor, cfg,
     logits = strategy.forward_only(micro, step, list(chunks), (seq, 1), (rows, seq, vocab))
     return logits if seq == length else logits[:, :length].contiguous()
 
-
-def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, cfg,
-             stop: Optional[list[int]] = None) -> list[int]:
-    """Greedy continuation of one prompt (with a KV cache: model/generation.py); stops after
-    any token in `stop` (kept)."""
-    from lightning_mcore.model.generation import SamplingSettings, generate_batch
-
-    sampling = SamplingSettings(max_new_tokens=max_new_tokens, greedy=True, stop=list(stop or []))
-    return generate_batch(strategy, chunks, [list(prompt)], cfg, sampling)[0]

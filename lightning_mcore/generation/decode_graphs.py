@@ -90,9 +90,9 @@ class DecodeGraphs:
 
     def adapters_state(self) -> tuple:
         """The LoRA adapters' Python switches, which a graph bakes in (fixed during a call)."""
-        from lightning_mcore.model import lora
+        from lightning_mcore.lora.adapters import adapters_of
 
-        return tuple((a.enabled, a.merged) for _, a, _ in lora.adapters_of([self.chunk]))
+        return tuple((a.enabled, a.merged) for _, a, _ in adapters_of([self.chunk]))
 
     @contextlib.contextmanager
     def _recording_into_buffers(self, recording: bool):

@@ -12,7 +12,7 @@ on the local spec SDPAttention turns cu_seqlens into a block-diagonal causal mas
 window, where a layer has one, applies within each sequence).
 
 Under context parallelism (cp > 1) the strategy hands each rank its share of the THD row
-(`packed_context_parallel_slice`, layout in model/cp_partition.py) with the offsets the model
+(`packed_context_parallel_slice`, layout in sequence/cp_partition.py) with the offsets the model
 needs; `packed_seq_params_for` builds PackedSeqParams from them.
 """
 
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from lightning_mcore.model import cp_partition
+from lightning_mcore.sequence import cp_partition
 
 
 def cu_seqlens_of(segment_ids: torch.Tensor) -> torch.Tensor:

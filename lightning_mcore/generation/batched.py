@@ -18,6 +18,9 @@ from typing import Optional
 
 import torch
 
+from lightning_mcore.generation.kv_cache import next_token_logits
+from lightning_mcore.model import routing_replay
+
 
 @dataclass
 class SamplingSettings:
@@ -29,7 +32,7 @@ class SamplingSettings:
     stop: list[int] = field(default_factory=list)  # stop token ids (kept in the completion)
     seed: int = 0
     # GPU: decode steps replay CUDA graphs kept between calls with the same number of prompts
-    # (model/decode_graphs.py); their KV cache then stays allocated between calls
+    # (generation/decode_graphs.py); their KV cache then stays allocated between calls
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -94,6 +97,13 @@ def generate_batch(strategy, chunks, prompts: list[list[int]], cfg,
     callable giving one; `cfg`: the GPTConfig). Data-parallel ranks may pass different prompts
     (GRPO's rollouts); tensor- and pipeline-parallel peers pass the same."""
     return generate_traced(strategy, chunks, prompts, cfg, sampling, logps=False).completions
+
+
+def generate(strategy, chunks, prompt: list[int], max_new_tokens: int, cfg,
+             stop: Optional[list[int]] = None) -> list[int]:
+    """Greedy continuation of one prompt; stops after any token in `stop` (kept)."""
+    sampling = SamplingSettings(max_new_tokens=max_new_tokens, greedy=True, stop=list(stop or []))
+    return generate_batch(strategy, chunks, [list(prompt)], cfg, sampling)[0]
 
 
 @dataclass
@@ -168,11 +178,8 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
                      logps: bool = False) -> Generated:
     """The completions of `prompts` through the cache, one column per step; `groups`: the row
     counts that draw their numbers from one stream (_uniforms); `inputs`: what a step feeds the
-    model (model/kv_cache.py; default token ids); `routing`: record the experts' choices;
+    model (generation/kv_cache.py; default token ids); `routing`: record the experts' choices;
     `logps`: keep each new token's log-prob (a log-softmax over the vocabulary per step)."""
-    from lightning_mcore.model import routing_replay
-    from lightning_mcore.model.kv_cache import next_token_logits
-
     if not prompts or sampling.max_new_tokens == 0:
         return Generated([[] for _ in prompts], [[] for _ in prompts],
                          [torch.zeros(0) for _ in prompts] if routing else None)

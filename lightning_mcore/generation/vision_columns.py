@@ -1,6 +1,6 @@
-"""What a cached generation step (model/kv_cache.py) feeds a vision-language chunk.
+"""What a cached generation step (generation/kv_cache.py) feeds a vision-language chunk.
 
-Prompts of different lengths go through the cache column by column (model/generation.py), so a
+Prompts of different lengths go through the cache column by column (generation/batched.py), so a
 step may hold, for some rows, image placeholders of a prompt still being read. The images are
 encoded once, at the first step, and each step looks up the embedding of every placeholder it
 holds:

@@ -9,7 +9,7 @@ goes through the strategy's forward-only schedule, so pipeline stages pass hidde
 training; one context per chunk, all advanced together.
 
 What a step feeds the model is `TokenColumns` (token ids at consecutive positions) unless the
-caller gives its own (model/vision_columns.py: image embeddings and M-RoPE positions).
+caller gives its own (generation/vision_columns.py: image embeddings and M-RoPE positions).
 
 Under sequence parallelism the chunks run with it switched off while generating, MoE layers
 included (tests/test_generation.py: greedy equals transformers' at TP=2+SP for a Qwen3-MoE and a
@@ -22,8 +22,8 @@ import contextlib
 
 import torch
 
+from lightning_mcore.generation import reproducible_attention
 from lightning_mcore.model import inference_context as ic
-from lightning_mcore.model import reproducible_attention
 
 
 class TokenColumns:
@@ -45,7 +45,7 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_gr
     """A CachedForward, with the chunks in eval mode (mcore reads the inference context only
     there; no dropout) and sequence parallelism off (as mcore's own engine does: a one-token
     step cannot be split over tensor-parallel ranks); both restored after. `cuda_graphs`: decode
-    steps replay kept CUDA graphs where model/decode_graphs.py can (else eager). `inputs`: what
+    steps replay kept CUDA graphs where generation/decode_graphs.py can (else eager). `inputs`: what
     each step feeds the model (default TokenColumns; another runs without graphs). `recording`:
     the routers record their choices (model/routing_replay.py), in graphs too (graph_routing)."""
     from megatron.core.transformer.utils import set_model_to_sequence_parallel
@@ -91,7 +91,7 @@ def new_context(chunk, rows: int, max_length: int, device):
 class CachedForward:
     def __init__(self, strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool,
                  inputs: TokenColumns, recording: bool = False) -> None:
-        from lightning_mcore.model import decode_graphs
+        from lightning_mcore.generation import decode_graphs
 
         self.strategy, self.chunks, self.cfg, self.rows = strategy, list(chunks), cfg, rows
         self.inputs, self.recording = inputs, recording
