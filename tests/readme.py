@@ -1,5 +1,6 @@
-"""The README's commands and code, read from README.md itself, and run as a user runs them: in a
-fresh directory holding a copy of configs/, in a clean environment."""
+"""The commands and code of the README and of the guides in docs/, read from the files themselves,
+and run as a user runs them: in a fresh directory holding a copy of configs/, in a clean
+environment."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 # Earlier in-process launches leave these in this process's environment; a child that inherits
 # them believes it was launched by torchrun (or is reseeded).
@@ -21,11 +23,22 @@ LAUNCH_VARS = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", 
                "TORCHELASTIC_RUN_ID"}
 
 
-def section(title: str) -> str:
-    """The text of the README section headed `## title` (up to the next `## `)."""
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.S | re.M)
-    assert match, f"README has no section '## {title}'"
+def page(name: str = "README.md") -> str:
+    """The text of README.md, or of a page of docs/ (`"sft.md"`)."""
+    return README if name == "README.md" else (DOCS / name).read_text()
+
+
+def section(title: str, page_name: str = "README.md") -> str:
+    """The text of the section headed `## title` (up to the next `## `) of the README, or of the
+    docs/ page `page_name`."""
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", page(page_name), re.S | re.M)
+    assert match, f"{page_name} has no section '## {title}'"
     return match.group(1)
+
+
+def sections(text: str) -> dict[str, str]:
+    """Every `## ` section of a page's text, by title."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^## ([^\n]*)\n(.*?)(?=^## |\Z)", text, re.S | re.M)}
 
 
 def code_blocks(text: str, language: str) -> list[str]:

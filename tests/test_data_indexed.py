@@ -136,14 +136,14 @@ def test_module_runs_as_a_command(tmp_path, monkeypatch, capsys):
 
 
 def test_readme_preprocess_command(tmp_path, tok):  # noqa: F811 (the imported fixture)
-    """The README's command as shown (its placeholders: a corpus and the bundled tokenizer),
+    """docs/pretraining.md's command as shown (its placeholders: a corpus and the bundled tokenizer),
     through `lightning-mcore`: it prints no warning (python -m of a module its package imports
     makes runpy warn) and writes each jsonl row as one document."""
     import json
 
     from readme import commands, run, section, user_dir, warnings_in
 
-    (argv,) = [a for a in commands(section("How it fits together")) if a[1] == "preprocess"]
+    (argv,) = [a for a in commands(section("Data", "pretraining.md")) if a[1] == "preprocess"]
     work = user_dir(tmp_path / "user")
     rows = ["The first document.", "A second one, longer than the first."]
     (work / "corpus.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))

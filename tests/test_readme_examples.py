@@ -1,7 +1,8 @@
-"""The README's other runnable examples, verbatim from README.md, in a fresh directory with a copy
-of configs/: the Python example at its top, the SFT and DPO commands, the reward, KTO and
-distillation commands, and the GRPO commands. (The quickstart, the
-LoRA fine-tune and the multi-node commands have tests of their own.) Each run must train: its
+"""The other runnable examples of the README and the guides, verbatim from README.md and docs/, in
+a fresh directory with a copy of configs/: the Python example at the README's top, the SFT and DPO
+commands, the reward, KTO and distillation commands, the GRPO commands, verify, the one-file
+family and the vision-language commands. (The quickstart, the LoRA fine-tune and the multi-node
+commands have tests of their own.) Each run must train: its
 logged loss falls (DPO: below log 2, where every pair starts)."""
 
 import csv
@@ -20,10 +21,10 @@ def logged(directory, key: str) -> list[float]:
     return [float(row[key]) for row in csv.DictReader(open(metrics)) if row.get(key)]
 
 
-@pytest.mark.parametrize("title, name", [("Supervised fine-tuning", "sft"),
-                                         ("Preference training (DPO, IPO)", "dpo")])
-def test_readme_fit_command_trains(title, name, tmp_path):
-    (argv,) = commands(section(title))
+@pytest.mark.parametrize("page, title, name", [("sft.md", "Supervised fine-tuning", "sft"),
+                                               ("preference.md", "Preference training (DPO, IPO)", "dpo")])
+def test_readme_fit_command_trains(page, title, name, tmp_path):
+    (argv,) = commands(section(title, page))
     work = user_dir(tmp_path)
     run(argv, work)
     assert (work / "runs" / name / "checkpoints" / "last.ckpt" / "common.pt").is_file()
@@ -40,7 +41,7 @@ OBJECTIVES = {"reward": "train/accuracy", "kto": "train/kl", "distill": "train/d
 def test_readme_objective_commands_train(name, tmp_path):
     """The reward, KTO and distillation commands: each trains and its loss falls; the reward
     model ends ranking the bundled pairs right, the student's KL to its teacher falls by half."""
-    (argv,) = [a for a in commands(section("Reward models, KTO, distillation")) if f"configs/{name}.yaml" in a]
+    (argv,) = [a for a in commands(section("Reward models, KTO, distillation", "reward-kto-distill.md")) if f"configs/{name}.yaml" in a]
     work = user_dir(tmp_path)
     run(argv, work)
     assert (work / "runs" / name / "checkpoints" / "last.ckpt" / "common.pt").is_file()
@@ -59,7 +60,7 @@ def test_readme_objective_commands_train(name, tmp_path):
 def test_readme_grpo_command_runs(tmp_path):
     """The GRPO command: rollouts are generated, scored and trained on every step, and the
     metrics the README lists are logged."""
-    (argv,) = [a for a in commands(section("GRPO, and generation with a KV cache")) if "configs/grpo.yaml" in a]
+    (argv,) = [a for a in commands(section("GRPO, and generation with a KV cache", "grpo.md")) if "configs/grpo.yaml" in a]
     work = user_dir(tmp_path)
     run(argv, work)
     assert (work / "runs" / "grpo" / "checkpoints" / "last.ckpt" / "common.pt").is_file()
@@ -74,7 +75,7 @@ def test_readme_moe_grpo_command_runs(tmp_path):
     """The MoE GRPO command (EP=2, routing replay, GSPO, DAPO's overlong penalty and dynamic
     sampling): under replay the training forward's log-probs are the rollout's (fp32), no routing
     mismatch is counted, and the overlong penalty and dynamic sampling log their numbers."""
-    (argv,) = [a for a in commands(section("GRPO, and generation with a KV cache")) if "configs/grpo_moe.yaml" in a]
+    (argv,) = [a for a in commands(section("GRPO, and generation with a KV cache", "grpo.md")) if "configs/grpo_moe.yaml" in a]
     work = user_dir(tmp_path)
     run(argv, work)
     runs = work / "runs" / "grpo_moe"
@@ -112,18 +113,18 @@ def test_readme_python_example_trains(tmp_path):
 
 
 def test_readme_verify_command_passes(tmp_path):
-    """`lightning-mcore verify` on the bundled model at TP=2+SP, as the README shows it."""
-    (argv,) = [a for a in commands(section("Hugging Face checkpoints")) if a[1] == "verify"]
+    """`lightning-mcore verify` on the bundled model at TP=2+SP, as docs/hf-families.md shows it."""
+    (argv,) = [a for a in commands(section("Check your own model: verify", "hf-families.md")) if a[1] == "verify"]
     proc = run(argv, user_dir(tmp_path))
     (line,) = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"verify"')]
     assert line["verify"] == "pass" and line["top1_agree"] == line["positions"] > 0, line
 
 
 def test_readme_family_file_is_the_real_one():
-    """The one-file family the README shows is the file the package registers."""
+    """The one-file family docs/hf-families.md shows is the file the package registers."""
     from lightning_mcore import models
 
-    shown = [b for b in code_blocks(section("Hugging Face checkpoints"), "python") if "ARCHITECTURE" in b]
+    shown = [b for b in code_blocks(section("Adding a family", "hf-families.md"), "python") if "ARCHITECTURE" in b]
     assert shown == [(ROOT / "lightning_mcore" / "models" / "seed_oss.py").read_text()]
     assert models.ARCHITECTURES["SeedOssForCausalLM"].model_type == "seed_oss"
 
@@ -133,7 +134,7 @@ def test_readme_vision_language_commands(tmp_path):
     transformers Qwen2.5-VL directory with the trained vision encoder and the processor files."""
     from safetensors import safe_open
 
-    fit, export = commands(section("Vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)"))
+    fit, export = commands(section("Vision-language models (Qwen2.5-VL, Qwen3-VL, Qwen3.5)", "vision-language.md"))
     work = user_dir(tmp_path)
     run(fit, work)
     losses = logged(work / "runs" / "qwen2_5_vl_sft", "train/loss")

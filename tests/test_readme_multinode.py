@@ -1,4 +1,4 @@
-"""The README's multi-node commands, run on one machine: its torchrun line with one node of 2 CPU
+"""The multi-node commands of docs/parallelism.md, run on one machine: its torchrun line with one node of 2 CPU
 processes on a localhost endpoint, and its srun line under the environment that srun gives 2
 tasks of one node (SLURM itself is not available here). Both on configs/quickstart.yaml for 2
 steps. Each rank is started by the launcher, not by Lightning: were the launcher's environment
@@ -14,6 +14,7 @@ from readme import as_python, clean_env, commands, section, user_dir
 pytestmark = pytest.mark.distributed
 
 MULTINODE = "Several nodes: torchrun and SLURM"
+PAGE = "parallelism.md"
 
 
 def free_port() -> int:
@@ -37,7 +38,7 @@ def ranks_started(output: str) -> list[str]:
 
 
 def test_readme_torchrun_on_localhost(tmp_path):
-    (readme_argv,) = commands(section(MULTINODE), program="torchrun")
+    (readme_argv,) = commands(section(MULTINODE, PAGE), program="torchrun")
     work = user_dir(tmp_path)
     for _ in range(2):  # another process may take the free port before torchrun binds it (seen
         # once in CI: the agent, finding it taken, waited 60 s as a client): once more, a new port
@@ -55,11 +56,11 @@ def test_readme_torchrun_on_localhost(tmp_path):
 
 
 def test_readme_srun_with_tensorboard(tmp_path):
-    """The sbatch script's srun line, with the README's TensorBoard logger flag: the two tasks
+    """The sbatch script's srun line, with the README quickstart's TensorBoard logger flag: the two tasks
     train together and the loss of both steps is in TensorBoard's event file."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (srun,) = commands(section(MULTINODE), program="srun")
+    (srun,) = commands(section(MULTINODE, PAGE), program="srun")
     argv = adapt(srun[1:], {"--config": "configs/quickstart.yaml", "--trainer.num_nodes": "1"})
     (tensorboard,) = [a for a in commands(section("The main job: quickstart")) if "--trainer.logger" in a]
     argv += tensorboard[tensorboard.index("--trainer.logger"):]
