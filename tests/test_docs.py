@@ -181,3 +181,23 @@ def test_readme_feature_map_is_the_sites():
 
 def test_readme_stays_short():
     assert len(README.splitlines()) <= 250
+
+
+def test_architecture_tree_matches_the_package():
+    """docs/architecture.md's tree: every package of lightning_mcore has its line, and every
+    package, module and file it names exists (the page is updated when the layout changes)."""
+    (tree,) = [b for b in code_blocks(page("architecture.md"), "") if b.startswith("lightning_mcore/")]
+    lib = Path(lightning_mcore.__file__).parent
+    packages = {p.name for p in lib.iterdir() if (p / "__init__.py").is_file()}
+    shown = set(re.findall(r"^  ([a-z_]+)/", tree, re.M))
+    assert shown == packages, (sorted(packages - shown), sorted(shown - packages))
+    current = None
+    for line in tree.splitlines()[1:]:
+        head = re.match(r"^  ([a-z_]+)/", line)
+        if head:
+            current = head.group(1)
+        if re.match(r"^  [a-z_]+\.py", line):
+            current = None  # a top-level module's line: its files are top-level too
+        for name in re.findall(r"\b([a-z_0-9]+\.py)\b", line):
+            where = [lib / name] if current is None else [lib / current / name, lib / name]
+            assert any(p.is_file() for p in where), f"{name} (under {current or 'lightning_mcore'}/) is not a file"

@@ -69,6 +69,9 @@ def test_readme_grpo_command_runs(tmp_path):
         values = logged(work / "runs" / "grpo", key)
         assert len(values) >= 10 and all(math.isfinite(v) for v in values), (key, values)
     assert min(logged(work / "runs" / "grpo", "train/completion_length")) > 0
+    # it learns what the tiny base can: answering with a number (docs/grpo.md)
+    numbers = logged(work / "runs" / "grpo", "train/rewards/lightning_mcore.rewards.contains_number")
+    assert len(numbers) == 60 and sum(numbers[-10:]) / 10 > sum(numbers[:10]) / 10 + 0.2, numbers
 
 
 def test_readme_moe_grpo_command_runs(tmp_path):
