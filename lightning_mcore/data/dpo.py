@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 
 from lightning_mcore.data.chat import ChatFormat, field_names
@@ -149,23 +149,6 @@ class DPODataModule(TwoRowDataModule):
 
     item, cache_name, desc = "pair", "dpo", "Tokenizing preference pairs"
     tokenize_batch, title, logger = staticmethod(_tokenize_batch), "DPO", log
-
-    def __init__(
-        self,
-        paths: Union[str, list[str]],
-        tokenizer: str,
-        seq_length: int,
-        columns: Optional[dict[str, Optional[str]]] = None,
-        roles: Optional[dict[str, str]] = None,
-        chat_template: Optional[str] = None,
-        val_split: float = 0.0,
-        seed: int = 1234,
-        shuffle: bool = True,
-        num_workers: int = 0,
-        num_proc: Optional[int] = None,
-        cache_dir: Optional[str] = None,
-    ) -> None:
-        super().__init__(paths, tokenizer, seq_length, val_split, chat_template)
 
     def _format(self, column_names: list[str]) -> PairFormat:
         return PairFormat.detect(column_names, self.hparams.columns, self.hparams.roles)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -191,23 +191,8 @@ class KTODataModule(TwoRowDataModule):
     item, cache_name, desc, columns = "example", "kto", "Tokenizing KTO examples", ("label",)
     tokenize_batch, title, logger = staticmethod(_tokenize_batch), "KTO", log
 
-    def __init__(
-        self,
-        paths: Union[str, list[str]],
-        tokenizer: str,
-        seq_length: int,
-        columns: Optional[dict[str, str]] = None,
-        roles: Optional[dict[str, str]] = None,
-        chat_template: Optional[str] = None,
-        val_split: float = 0.0,
-        seed: int = 1234,
-        shuffle: bool = True,
-        num_workers: int = 0,
-        num_proc: Optional[int] = None,
-        cache_dir: Optional[str] = None,
-    ) -> None:
-        super().__init__(paths, tokenizer, seq_length, val_split, chat_template)
-        refuse_one_kind(self.paths, (columns or {}).get("label", "label"))
+    def _check_hparams(self) -> None:
+        refuse_one_kind(self.paths, (self.hparams.columns or {}).get("label", "label"))
 
     def _format(self, column_names: list[str]) -> UnpairedFormat:
         return UnpairedFormat.detect(column_names, self.hparams.columns, self.hparams.roles)

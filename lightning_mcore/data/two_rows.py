@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -95,6 +95,25 @@ class TwoRowDataModule(ChatDataModule):
     logger: logging.Logger
     columns: tuple[str, ...] = ()
     tokenize_batch: Callable
+
+    def __init__(
+        self,
+        paths: Union[str, list[str]],
+        tokenizer: str,
+        seq_length: int,
+        columns: Optional[dict[str, Optional[str]]] = None,
+        roles: Optional[dict[str, str]] = None,
+        chat_template: Optional[str] = None,
+        val_split: float = 0.0,
+        seed: int = 1234,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        num_proc: Optional[int] = None,
+        cache_dir: Optional[str] = None,
+    ) -> None:
+        """The arguments DPO's and KTO's data modules share (their class docstrings say what
+        each means for them)."""
+        super().__init__(paths, tokenizer, seq_length, val_split, chat_template)
 
     def _tokenize(self) -> Any:
         """Two tokenized rows per item: ``2 * i`` and ``2 * i + 1``, so ``SFTRows`` builds the
