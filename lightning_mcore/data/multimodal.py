@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from PIL import Image
 from torch.utils.data import Dataset
 
 from lightning_mcore.data import peek
@@ -456,8 +457,6 @@ def _text(content: Any) -> str:
 
 def open_image(reference: str, image_dir: str, where: str, options: ImageOptions) -> Any:
     """The image file as an RGB PIL image, or ``BadSample`` naming it."""
-    from PIL import Image
-
     if reference.startswith(("http://", "https://", "data:")):
         raise BadSample("remote image", f"{where}: image {reference[:80]!r} is not a local "
                         "file; download it and give its path")

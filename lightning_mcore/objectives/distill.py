@@ -31,6 +31,8 @@ from typing import Literal, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from megatron.core import parallel_state
+from transformers import AutoTokenizer
 
 from lightning_mcore import models
 from lightning_mcore.lora.config import LoRAConfig
@@ -39,6 +41,7 @@ from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill_loss import token_cross_entropy, token_divergence
 from lightning_mcore.objectives.frozen import WithFrozenModel
 from lightning_mcore.sequence.packing import packed_seq_params
+from lightning_mcore.strategy import checkpoint_io
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
@@ -86,8 +89,6 @@ class Teacher:
 def read_teacher(path: Union[str, os.PathLike], seq_length: int, overrides: Optional[dict] = None) -> Teacher:
     """The teacher at `path` (an HF directory or one of our checkpoints) at the student's
     seq_length; `overrides` change its config fields."""
-    from lightning_mcore.strategy import checkpoint_io
-
     overrides = {"seq_length": seq_length, **(overrides or {})}
     if checkpoint_io.is_checkpoint(path):
         saved = checkpoint_io.read_saved_model(path)
@@ -107,8 +108,6 @@ def read_teacher(path: Union[str, os.PathLike], seq_length: int, overrides: Opti
 
 def same_tokenizer(a: Union[str, os.PathLike], b: Union[str, os.PathLike]) -> bool:
     """Both directories' tokenizers map the same strings to the same ids (added tokens too)."""
-    from transformers import AutoTokenizer
-
     files = ("tokenizer.json",)
     if all((Path(d) / f).is_file() for d in (a, b) for f in files) and all(
             (Path(a) / f).read_bytes() == (Path(b) / f).read_bytes() for f in files):
@@ -221,8 +220,6 @@ class DistillModule(WithFrozenModel, MegatronModule):
         out = _packed_logits(chunk, batch)
 
         def loss_fn(logits):
-            from megatron.core import parallel_state
-
             group = parallel_state.get_tensor_model_parallel_group()
             logits = logits.reshape(-1, logits.shape[-1])
             teacher = teacher_logits.reshape(logits.shape[0], -1)

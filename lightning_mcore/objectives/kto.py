@@ -26,6 +26,7 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
@@ -86,8 +87,6 @@ class KTOModule(DPOModule):
     def _kl_point(self, batch: dict, reference: torch.Tensor) -> torch.Tensor:
         """z0: the policy's (current weights, no grad) minus the reference's log-probs of the
         mismatched completions, averaged over the global batch, clamped at 0."""
-        from megatron.core import parallel_state
-
         def step(mb, chunk):
             return forward_packed(chunk, mb), lambda out: pair_logps(out, mb).detach()
 
