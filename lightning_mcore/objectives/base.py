@@ -33,7 +33,11 @@ from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
 class MegatronModule(L.LightningModule):
-    """`model` is a GPTConfig (train from scratch), the path of a Hugging Face checkpoint
+    """The LightningModule every objective builds on: it builds the mcore GPT model for
+    MegatronStrategy, loads its weights, runs each step through the strategy and exports to
+    Hugging Face; a subclass gives the loss (forward_step).
+
+    `model` is a GPTConfig (train from scratch), the path of a Hugging Face checkpoint
     directory (its config.json gives the architecture, its safetensors the weights), or a
     checkpoint directory saved by MegatronStrategy (fine-tuning: its weights only, at any
     layout; the optimizer, step count and data position start fresh). `model_overrides`

@@ -47,7 +47,10 @@ from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 @dataclasses.dataclass
 class DistillSettings:
-    """`divergence`: forward_kl (KL(teacher || student), mode-covering), reverse_kl (KL(student ||
+    """The distillation loss (DistillModule's `distill`): which divergence, at which
+    temperature, mixed with how much of the SFT loss.
+
+    `divergence`: forward_kl (KL(teacher || student), mode-covering), reverse_kl (KL(student ||
     teacher), mode-seeking) or jsd (GKD's generalized Jensen-Shannon with `beta`: 0 is forward_kl,
     1 reverse_kl). `temperature` divides both models' logits. `sft_weight`: the share of the
     cross-entropy on the data's labels in the loss (0: distillation only). `lmbda`: GKD's share of
@@ -128,7 +131,10 @@ def _has_tokenizer(directory) -> bool:
 
 
 class DistillModule(WithFrozenModel, MegatronModule):
-    """`teacher`: an HF directory or a MegatronStrategy checkpoint with the student's vocabulary
+    """Knowledge distillation: the student (`model`) learns a frozen teacher's next-token
+    distributions on the data's tokens.
+
+    `teacher`: an HF directory or a MegatronStrategy checkpoint with the student's vocabulary
     and tokenizer (`teacher_overrides` change its config fields); `distill`: the loss
     (DistillSettings)."""
 

@@ -97,7 +97,11 @@ class RolloutCorrection:
 
 
 class GRPOModule(WithFrozenModel, MegatronModule):
-    """`reward_funcs`: import paths or callables, `reward_weights` (default 1 each);
+    """GRPO reinforcement learning on prompts (PromptDataModule): the model generates a group of
+    completions per prompt, reward functions score them, and each is trained on its reward
+    relative to its group's.
+
+    `reward_funcs`: import paths or callables, `reward_weights` (default 1 each);
     `num_generations` completions per prompt of at most `max_completion_length` tokens, sampled
     as `sampling` says; `beta` (KL to the reference, 0: none, no reference kept); `epsilon_low`,
     `epsilon_high` (the ratio's clip range, DAPO's clip-higher when they differ);

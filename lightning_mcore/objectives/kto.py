@@ -57,7 +57,10 @@ def kto_loss(policy: torch.Tensor, reference: torch.Tensor, kl: torch.Tensor, de
 
 
 class KTOModule(DPOModule):
-    """`beta` (> 0), `desirable_weight` and `undesirable_weight` (> 0; trl's advice: keep
+    """KTO (Kahneman-Tversky Optimization) on unpaired desirable and undesirable examples
+    (KTODataModule), against a frozen reference: the model it starts from.
+
+    `beta` (> 0), `desirable_weight` and `undesirable_weight` (> 0; trl's advice: keep
     desirable_weight * desirable examples / (undesirable_weight * undesirable examples) in
     [1, 4/3])."""
 

@@ -87,6 +87,10 @@ _PRECISIONS = {
 
 
 class MegatronStrategy(DDPStrategy):
+    """The Lightning strategy that runs a MegatronModule under Megatron-Core's parallelism
+    (tensor, pipeline, context, expert and data parallel, the distributed optimizer) and writes
+    its distributed checkpoints; each step is one mcore schedule over the microbatches."""
+
     strategy_name = "megatron"
 
     def __init__(
