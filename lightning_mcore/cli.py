@@ -36,14 +36,33 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import Strategy
 
-from lightning_mcore import cli_errors, config_yaml
+from lightning_mcore import checkpoint_dirs, cli_errors, config_yaml
+from lightning_mcore.callbacks.console import default_console
+from lightning_mcore.callbacks.hf_export import HFExport
+from lightning_mcore.data.preprocess import main as preprocess_main
+from lightning_mcore.export_checkpoint import main as export_main
+from lightning_mcore.hf.checkpoint import CheckpointError, open_safetensors, weight_map
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.hf.export_dir import ExportTargetError
+from lightning_mcore.hf.peft_export import PeftExportError
 from lightning_mcore.lora.checks import LoRAPlanError
+from lightning_mcore.lora.config import LoRAConfig
+from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.models import gpt_config_from_hf
 from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.refusals import deliberate, report_refusals, traceback_frames
+from lightning_mcore.strategy import checkpoint_io
+from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.forked_ranks import ending_forked_rank
+from lightning_mcore.strategy.megatron import MegatronStrategy
+from lightning_mcore.strategy.optimizer import OptimizerSettings
 from lightning_mcore.strategy.parallel import LayoutError
+from lightning_mcore.verify import main as verify_main
 
 EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no training code): "
                "lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out "
@@ -94,7 +113,6 @@ class MegatronCLI(LightningCLI):
             if where is None:
                 raise
             self._error(f"{where}: {root}", root)
-        from lightning_mcore.strategy.megatron import MegatronStrategy
 
         strategy = self.trainer.strategy
         if isinstance(strategy, MegatronStrategy):
@@ -109,11 +127,6 @@ class MegatronCLI(LightningCLI):
     def _check_export_targets(self) -> None:
         """A fresh `fit` whose HFExport would meet an earlier export stops here, not after its
         workers have started (a resumed run checks once it knows its step: HFExport)."""
-        from lightning_mcore.callbacks.hf_export import HFExport
-        from lightning_mcore.hf.config import HFCheckpointError
-        from lightning_mcore.hf.export_dir import ExportTargetError
-        from lightning_mcore.hf.peft_export import PeftExportError
-
         if self.subcommand != "fit":
             return
         resumed = self._get(self.config, "ckpt_path")
@@ -129,8 +142,6 @@ class MegatronCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         """Our progress bar and model summary where the config left Lightning's defaults."""
-        from lightning_mcore.callbacks.console import default_console
-
         options = self._get(self.config_init, "trainer", default={})
         given = options.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
@@ -164,7 +175,6 @@ class MegatronCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
-        from lightning_mcore.strategy import checkpoint_io
 
         path = self.config[subcommand].get("ckpt_path")
         if _is_path(path) and not Path(path).exists():
@@ -189,9 +199,6 @@ class MegatronCLI(LightningCLI):
         data's row length against the model's (and the model's against its HF config), the HF
         weights' files, that a checkpoint to resume holds this model, and that a fresh run's
         HFExport meets no earlier export."""
-        from lightning_mcore.strategy import checkpoint_io
-        from lightning_mcore.strategy.megatron import MegatronStrategy
-
         strategy, module = self.trainer.strategy, self.model
         if not isinstance(strategy, MegatronStrategy) or not isinstance(module, MegatronModule):
             return
@@ -216,14 +223,12 @@ class MegatronCLI(LightningCLI):
         resumes (checkpoint_dirs.last_checkpoint), which the subcommand then gets. Where there is
         none, "last" is refused (Lightning would warn and train from step 0) and LAST_IF_ANY
         starts afresh."""
-        from lightning_mcore.checkpoint_dirs import checkpoint_dirs, last_checkpoint
-
         path = self._get(self.config, "ckpt_path")
         if path not in ("last", LAST_IF_ANY):
             return path
-        found = last_checkpoint(self.trainer)
+        found = checkpoint_dirs.last_checkpoint(self.trainer)
         if found is None and path == "last":
-            dirs = " or ".join(checkpoint_dirs(self.trainer)) or "(the trainer has no ModelCheckpoint)"
+            dirs = " or ".join(checkpoint_dirs.checkpoint_dirs(self.trainer)) or "(the trainer has no ModelCheckpoint)"
             self._error(f"ckpt_path=last: there is no checkpoint to resume in {dirs}, and Lightning "
                         f"would train from step 0. Give a checkpoint's path, leave ckpt_path out to "
                         f"start afresh, or pass --ckpt_path {LAST_IF_ANY} to resume only where a "
@@ -267,10 +272,6 @@ class MegatronCLI(LightningCLI):
         """The HF directory behind the model: every safetensors file it will read is there with
         a complete header; a model fine-tuned from one of our checkpoints still fits its
         config.json (seq_length within max_position_embeddings, the same sliding windows)."""
-        from lightning_mcore.hf.checkpoint import CheckpointError, open_safetensors, weight_map
-        from lightning_mcore.hf.config import HFCheckpointError
-        from lightning_mcore.models import gpt_config_from_hf
-
         source = module.hf_path
         if source is None or not Path(source).is_dir():
             return
@@ -303,8 +304,6 @@ class MegatronCLI(LightningCLI):
     def _read_checkpoint(self, key: str, path: Path, read, subcommand: Optional[str] = None) -> None:
         """`read(path)` (checkpoint_io's), its refusal or any failure to read common.pt as an
         error naming `key`."""
-        from lightning_mcore.strategy import checkpoint_io
-
         try:
             read(path)
         except checkpoint_io.CheckpointLoadError as error:  # its message names the path
@@ -324,8 +323,6 @@ class MegatronCLI(LightningCLI):
         """The run's checkpoint directories, held by this (the launching) process until it ends:
         a directory another run holds, or one it cannot write, is refused before any worker
         starts (checkpoint_dirs.py)."""
-        from lightning_mcore import checkpoint_dirs
-
         stack = contextlib.ExitStack()
         if not checkpoint_dirs.launching_rank_zero(self.trainer):
             return stack
@@ -443,15 +440,6 @@ def _owner_key(error: BaseException) -> Optional[str]:
     """The config key of the innermost object of ours that `error` passed through, e.g.
     `data (SFTDataModule)`; None when there is none."""
     frames = [frame for frame, _ in traceback_frames(error)]
-    from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.loggers import Logger
-    from lightning.pytorch.strategies import Strategy
-
-    from lightning_mcore.hf.config import HFCheckpointError
-    from lightning_mcore.lora.config import LoRAConfig
-    from lightning_mcore.model.config import GPTConfig
-    from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
-    from lightning_mcore.strategy.optimizer import OptimizerSettings
 
     owners = ((LoRAConfig, "model.init_args.lora"), (OptimizerSettings, "model.init_args.optim"),
               (GPTConfig, "model.init_args.model"),
@@ -478,15 +466,12 @@ def main(args=None) -> None:
 def _run(args) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["export"]:  # a checkpoint to an HF directory: no Trainer, no training code
-        from lightning_mcore.export_checkpoint import main as export_main
 
         return export_main(argv[1:])
     if argv[:1] == ["verify"]:  # our model of an HF checkpoint against transformers'
-        from lightning_mcore.verify import main as verify_main
 
         return verify_main(argv[1:])
     if argv[:1] == ["preprocess"]:  # text to mcore indexed .bin/.idx files
-        from lightning_mcore.data.preprocess import main as preprocess_main
 
         return preprocess_main(argv[1:], prog="lightning-mcore preprocess")
     MegatronCLI(args=args)

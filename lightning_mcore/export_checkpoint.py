@@ -12,20 +12,37 @@ dist_checkpointing reshards whatever layout the checkpoint was saved with into i
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch.distributed as dist
+from jsonargparse import ActionYesNo, ArgumentParser
+from megatron.core import parallel_state, tensor_parallel
+
+from lightning_mcore import models
+from lightning_mcore.hf.config import HFCheckpointError
+from lightning_mcore.hf.export import export_hf
+from lightning_mcore.hf.export_dir import ExportTargetError, check_target
+from lightning_mcore.hf.load import load_hf_weights
+from lightning_mcore.hf.peft_export import PeftExportError, export_peft
+from lightning_mcore.hf.score_head import reward_weights
+from lightning_mcore.lora.adapters import apply_lora, set_merged
+from lightning_mcore.lora.config import saved_lora
+from lightning_mcore.model.build import build_chunks
+from lightning_mcore.model.config import to_transformer_config
+from lightning_mcore.objectives import reward
+from lightning_mcore.strategy import checkpoint_io
+from lightning_mcore.strategy.checkpoint_io import CheckpointLoadError
+from lightning_mcore.strategy.cpu import CpuCompat, cuda_on_cpu
+from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights
+from lightning_mcore.strategy.parallel import ParallelConfig
+from lightning_mcore.strategy.teardown import destroy_model_parallel
 
 
 @contextlib.contextmanager
 def single_process_megatron():
     """torch.distributed + mcore parallel_state for one CPU process, torn down afterwards."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    from lightning_mcore.strategy.cpu import CpuCompat
-    from lightning_mcore.strategy.teardown import destroy_model_parallel
-
     if dist.is_initialized():
         raise RuntimeError(
             "export_checkpoint starts its own single-process group; call it outside a "
@@ -71,20 +88,6 @@ def export_checkpoint(
             experts, what PeftModel.from_pretrained loads) or "per_expert" (one lora_A/lora_B per
             expert linear, ...mlp.experts.<e>.gate_proj.lora_A.weight: the names vLLM loads).
     """
-    from lightning_mcore import models
-    from lightning_mcore.hf.config import HFCheckpointError
-    from lightning_mcore.hf.export import export_hf
-    from lightning_mcore.hf.export_dir import check_target
-    from lightning_mcore.hf.peft_export import export_peft
-    from lightning_mcore.lora.adapters import apply_lora, set_merged
-    from lightning_mcore.lora.config import saved_lora
-    from lightning_mcore.model.build import build_chunks
-    from lightning_mcore.model.config import to_transformer_config
-    from lightning_mcore.strategy import checkpoint_io
-    from lightning_mcore.strategy.cpu import cuda_on_cpu
-    from lightning_mcore.strategy.nonfinite import refuse_nonfinite_weights
-    from lightning_mcore.strategy.parallel import ParallelConfig
-
     saved = checkpoint_io.read_saved_model(checkpoint, "--checkpoint")  # clear errors before any set-up
     if source is not None and not Path(source).expanduser().is_dir():
         missing = "" if Path(source).expanduser().exists() else " (nothing is there)"
@@ -108,8 +111,6 @@ def export_checkpoint(
     protected = [checkpoint, source, saved.hf_path, saved.init_checkpoint]
     weights = models.weights(saved.config, saved.hf_family)
     if saved.head == "score":  # a reward model: the family's ...ForSequenceClassification layout
-        from lightning_mcore.hf.score_head import reward_weights
-        from lightning_mcore.objectives import reward
 
         weights = reward_weights(weights, saved.config.hidden_size)
         hf_config = reward.seq_cls_export_config(saved.config, saved.hf_family, source, saved.tokenizer_path)
@@ -150,10 +151,6 @@ def export_checkpoint(
 
 
 def _load_base(chunks, saved, base, weights) -> None:
-    from lightning_mcore import models
-    from lightning_mcore.hf.load import load_hf_weights
-    from lightning_mcore.strategy import checkpoint_io
-
     if checkpoint_io.is_checkpoint(base):
         checkpoint_io.load_model(base, chunks)
     else:
@@ -169,15 +166,6 @@ def describe(directory: Path) -> str:
 
 
 def main(args=None) -> None:
-    import sys
-
-    from jsonargparse import ActionYesNo, ArgumentParser
-
-    from lightning_mcore.hf.config import HFCheckpointError
-    from lightning_mcore.hf.export_dir import ExportTargetError
-    from lightning_mcore.hf.peft_export import PeftExportError
-    from lightning_mcore.strategy.checkpoint_io import CheckpointLoadError
-
     parser = ArgumentParser(prog="lightning-mcore export", description=export_checkpoint.__doc__.split("\n")[0])
     parser.add_function_arguments(export_checkpoint, skip={"overwrite"}, as_positional=False)
     parser.add_argument("--overwrite", action=ActionYesNo, default=False,

@@ -15,7 +15,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+from lightning_mcore.model.te import te_cross_entropy_in_fp32
 
 
 @dataclass(frozen=True)
@@ -26,12 +29,6 @@ class Harmless:
     why: str
     cpu_only: bool = False  # on a machine with a GPU the warning means something: keep it
     only_if: Callable[[], bool] = lambda: True  # asked once, at install
-
-
-def _te_cross_entropy_in_fp32() -> bool:
-    from lightning_mcore.model.config import te_cross_entropy_in_fp32
-
-    return te_cross_entropy_in_fp32()
 
 
 HARMLESS = (
@@ -90,7 +87,7 @@ HARMLESS = (
              UserWarning, r"megatron\.core\.",
              "mcore 0.19 says so of TE before 2.18, whose kernel rounded its gradient to bf16 "
              "(TransformerEngine #3193); we use TE's only from 2.18 (model/config.py)",
-             only_if=_te_cross_entropy_in_fp32),
+             only_if=te_cross_entropy_in_fp32),
     Harmless(r"Using a large number of experts \(e\.g\. >=32\) without fp32 routing", UserWarning,
              r"megatron\.core\.transformer\.transformer_config",
              "we route as transformers' model of the family does: DeepSeek's gates in float32, "
@@ -162,8 +159,6 @@ class _DropLines(logging.Filter):
 def install() -> None:
     """Add the filters (idempotent: warnings.filterwarnings replaces an identical entry, and a
     logger's filter replaces the one an earlier install added)."""
-    import torch
-
     has_gpu = torch.cuda.device_count() > 0  # NVML-based: does not initialise CUDA (fork-safe)
     for entry in HARMLESS:
         if (entry.cpu_only and has_gpu) or not entry.only_if():

@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.multiprocessing.spawn import ProcessException
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # How long a rank other than 0 that refused waits for rank 0 to report and stop it.
 REPORT_GRACE_S = 10.0
@@ -74,8 +77,6 @@ def deliberate(error: BaseException) -> bool:
 
 def report_refusals(trainer: Any, run: Callable, **kwargs: Any) -> None:
     """`run(**kwargs)` (trainer.fit, ...), a refusal inside it reported as described above."""
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
     try:
         run(**kwargs)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised unless a refusal
@@ -107,8 +108,6 @@ def report_in_rank(reports: str, trainer: Any, run: Callable, *args: Any, **kwar
     raised on (torch hands its traceback to the launching process: a Python caller of
     Trainer.fit gets it as before). A rank other than 0 first waits REPORT_GRACE_S, so that rank
     0's line, if it meets the refusal too, is there before torch stops the ranks."""
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-
     try:
         return run(*args, **kwargs)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - always re-raised
@@ -126,8 +125,6 @@ def report_in_rank(reports: str, trainer: Any, run: Callable, *args: Any, **kwar
 def _reported_in_a_rank(error: BaseException, launcher: Any) -> Optional[str]:
     """The line to print for a refusal a forked rank left (`report_in_rank`) when torch tells the
     launching process that a rank failed: rank 0's, else the lowest rank's, naming it."""
-    from torch.multiprocessing.spawn import ProcessException
-
     refusals = getattr(launcher, "refusals", None) or {}
     if not isinstance(error, ProcessException) or not refusals:
         return None

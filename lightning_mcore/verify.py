@@ -30,6 +30,7 @@ times a factor, with a floor, is each output's tolerance. See `tolerance_rule`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -45,6 +46,17 @@ from typing import Literal, NoReturn, Optional
 import lightning as L
 import torch
 import torch.distributed as dist
+import transformers
+from jsonargparse import ActionYesNo, ArgumentParser
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from megatron.core import parallel_state as ps
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoTokenizer
+
+from lightning_mcore import LayoutError, MegatronStrategy, PretrainModule
+from lightning_mcore.hf.checkpoint import INDEX, SINGLE, CheckpointError, open_safetensors, weight_map
+from lightning_mcore.refusals import deliberate, report_refusals
+from lightning_mcore.strategy.forked_ranks import ending_forked_rank
 
 # Tolerances: (floor, factor) per precision of the comparison; an output's tolerance is factor x
 # the reference's own difference between two precisions on the same prompts, at least floor.
@@ -304,8 +316,6 @@ class CaptureLayers(L.Callback):
         return keep
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        from megatron.core import parallel_state as ps
-
         layers = {i: torch.cat(parts, dim=1) for i, parts in sorted(self._kept.items())}
         self._kept = {}
         if trainer.strategy.parallel.sequence_parallel:
@@ -333,10 +343,6 @@ def _gather_sequence(tensor: torch.Tensor, group) -> torch.Tensor:
 
 def run_ours(module, trainer: L.Trainer, prompts: Prompts, out: Path) -> Optional[dict]:
     """Our logits and layer outputs (rank 0 of the run; None on the other ranks)."""
-    from torch.utils.data import DataLoader
-
-    from lightning_mcore.refusals import report_refusals
-
     rows = [{"tokens": row} for row in prompts.tokens]
     loader = DataLoader(rows, batch_size=len(rows))
     report_refusals(trainer, trainer.predict, model=module, dataloaders=loader, return_predictions=False)
@@ -369,8 +375,6 @@ def load_reference(directory: str, dtype: torch.dtype):
     """AutoModelForCausalLM of `directory`, experts run eagerly where transformers can switch:
     its default on CPU, torch's grouped_mm, refuses odd widths ("strides should be multiple of
     16 bytes", a Mixtral with 97-wide experts) and float64."""
-    import transformers
-
     # dtype: transformers defaults to the checkpoint's dtype
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, local_files_only=True, dtype=dtype, experts_implementation="eager")
@@ -408,7 +412,6 @@ def reference_failures(directory: str, what: str):
     try:
         yield
     except Exception as error:  # noqa: BLE001 - anything transformers or torch raise
-        import transformers
 
         message = (str(error).strip().splitlines() or [""])[0][:300]
         raise ReferenceFailed(
@@ -448,8 +451,6 @@ def build_prompts(texts: Optional[list[str]], tokenizer_dirs: list[str], vocab: 
         raise VerifyError(f"--prompts are text and need a tokenizer, but there is none in {where} "
                           f"({', '.join(TOKENIZER_FILES)}).")
     if tokenizer_dir is not None:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         given = texts is not None
         rows = [tokenizer(text)["input_ids"] for text in (texts if given else TEXTS)]
@@ -498,8 +499,6 @@ TORCH_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 def check_weights(option: str, directory: str, torch_files: bool = False) -> None:
     """Every safetensors file of `directory` is there with a complete header (a truncated
     download), found before any rank starts; `torch_files`: transformers' .bin files will do."""
-    from lightning_mcore.hf.checkpoint import INDEX, SINGLE, CheckpointError, open_safetensors, weight_map
-
     path = Path(directory)
     safetensors = (path / SINGLE).is_file() or (path / INDEX).is_file()
     if torch_files and not safetensors and any((path / f).is_file() for f in TORCH_WEIGHTS):
@@ -518,9 +517,6 @@ def check_weights(option: str, directory: str, torch_files: bool = False) -> Non
 def load_module(model: str):
     """PretrainModule of the HF directory, its weights files checked; its refusals
     (unsupported architecture or field) as a VerifyError."""
-    from lightning_mcore import PretrainModule
-    from lightning_mcore.refusals import deliberate
-
     check_directory("--model", model)
     try:
         module = PretrainModule(model)
@@ -536,8 +532,6 @@ def load_module(model: str):
 def check_reference(reference: str, model_config) -> None:
     """A directory transformers can load whose outputs can be set beside the model's: the same
     vocabulary, width and depth; its weights files checked."""
-    from transformers import AutoConfig
-
     check_directory("--reference", reference)
     try:
         config = AutoConfig.from_pretrained(reference, local_files_only=True).get_text_config()
@@ -556,10 +550,6 @@ def check_reference(reference: str, model_config) -> None:
 
 def build_trainer(layout: Layout, module, capture: CaptureLayers) -> L.Trainer:
     """The Trainer our model runs in, its layout checked against the world size and the model."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    from lightning_mcore import LayoutError, MegatronStrategy
-
     world = layout.world_size
     dp = max(world // (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size), 1)
     try:
@@ -636,8 +626,6 @@ EXIT_CODES = (f"Exit codes: 0 pass; {MISMATCH_EXIT} a difference past the tolera
 
 
 def main(args=None) -> None:
-    from jsonargparse import ActionYesNo, ArgumentParser
-
     parser = ArgumentParser(prog="lightning-mcore verify", description=__doc__.split("\n")[0],
                             epilog=EXIT_CODES)
     parser.add_argument("--model", type=str, required=True,
@@ -674,7 +662,6 @@ def main(args=None) -> None:
                         help="how the ranks start: by default this process is rank 0 and, on CPU, "
                              "forks the others once its imports are done (on GPU it re-runs this "
                              "command for them, as popen does); fork suits a call from Python")
-    from lightning_mcore.strategy.forked_ranks import ending_forked_rank
 
     with ending_forked_rank():  # a rank forked by the launch ends here
         _verify_command(parser.parse_args(args))
@@ -699,8 +686,6 @@ def _verify_command(config) -> None:
 
 
 def _json_line(report: Report) -> str:
-    import json
-
     def finite(x):
         if isinstance(x, dict):
             return {k: finite(v) for k, v in x.items()}

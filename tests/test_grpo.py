@@ -388,18 +388,18 @@ def starts_early_in_the_alphabet(prompts, completions, **_):
 
 @pytest.mark.distributed
 def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
-    """The rollout path below a stand-in for generation (generation/batched.py's API): each prompt
+    """The rollout path below a stand-in for generation (generation/batched.py's API, in
+    objectives/grpo.py's names): each prompt
     asked for num_generations times with its stop tokens and a per-step seed; rewards read the
     decoded completions and the dataset's `answer` column."""
-    import sys
-    from types import ModuleType, SimpleNamespace
+    from types import SimpleNamespace
 
     from lightning_mcore.data import PromptDataModule
+    from lightning_mcore.objectives import grpo
 
     calls = tmp_path / "calls.jsonl"
     tokenizer = PromptDataModule(str(ROOT / "configs/sample_data/prompts.jsonl"),
                                  str(ROOT / "configs/sample_data/tiny-llama"), 80).tokenizer
-    fake = ModuleType("lightning_mcore.generation.batched")
 
     class SamplingSettings:
         def __init__(self, **kwargs):
@@ -413,8 +413,8 @@ def test_grpo_step_through_prompt_data_and_rewards(tmp_path, monkeypatch):
         ids = [tokenizer(texts[i % G], add_special_tokens=False)["input_ids"] for i in range(len(prompts))]
         return SimpleNamespace(completions=ids, logps=[[-1.0] * len(c) for c in ids], routing=None)
 
-    fake.SamplingSettings, fake.generate_traced = SamplingSettings, generate_traced
-    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(grpo, "SamplingSettings", SamplingSettings)
+    monkeypatch.setattr(grpo, "generate_traced", generate_traced)
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {n} plus 10?", "answer": str(n + 10)}) + "\n"
                             for n in (3, 4)))

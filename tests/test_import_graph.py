@@ -1,9 +1,12 @@
 """No import cycles, function-level imports included: between lightning_mcore's packages, data
 flows one way (sequence <- model <- lora <- hf, generation <- models <- strategy/objectives <-
 callbacks <- cli); inside each package, between its modules too (a cycle there means a piece two
-modules share belongs in a module of its own)."""
+modules share belongs in a module of its own). And no import inside a function without a comment
+saying why it is there (an optional dependency, a heavy one kept off start-up, ...)."""
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import lightning_mcore
@@ -109,15 +112,15 @@ def test_the_check_sees_a_cycle_and_function_level_imports():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
     edges = graph()
-    assert "strategy" in edges["objectives"]  # objectives/base.py imports it inside functions
+    assert "strategy" in edges["objectives"]  # objectives/base.py
     assert "models" in edges["objectives"] and "hf" in edges["models"]
     assert not edges["sequence"] - {"quiet", "atomic", "refusals"}, edges["sequence"]
     assert not edges["model"] - {"sequence", "quiet", "atomic", "refusals"}, edges["model"]
     assert not edges["lora"] - {"model", "sequence"}, edges["lora"]
-    assert "lora" in edges["generation"]  # decode_graphs.py, inside a method
+    assert "lora" in edges["generation"]  # decode_graphs.py
     assert "generation" not in edges["hf"] | edges["lora"] | edges["model"]
     modules = module_graphs()
-    # function-level imports inside a package: kv_cache.py imports decode_graphs.py in a method
+    # between the modules of a package: kv_cache.py imports decode_graphs.py
     assert "lightning_mcore.generation.decode_graphs" in modules["lightning_mcore.generation"][
         "lightning_mcore.generation.kv_cache"]
     assert "lightning_mcore.cli_errors" in modules["lightning_mcore"]["lightning_mcore.cli"]
@@ -134,3 +137,55 @@ def test_the_module_check_fails_on_a_cycle_inside_a_package(tmp_path):
     graphs = module_graphs(tmp_path / "lightning_mcore")
     assert cycle(graphs["lightning_mcore.pkg"]) == ["lightning_mcore.pkg.a", "lightning_mcore.pkg.b",
                                                      "lightning_mcore.pkg.a"]
+
+
+def function_level_imports(path: Path) -> list[ast.stmt]:
+    """The import statements of `path` inside a function (at any depth)."""
+    found = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            found += [i for i in ast.walk(n) if isinstance(i, (ast.Import, ast.ImportFrom))]
+    return sorted(set(found), key=lambda i: i.lineno)
+
+
+def unexplained_imports(root: Path = ROOT) -> list[str]:
+    """`path:line` of each function-level import with no comment on its line or the line above;
+    in a run of imports on consecutive lines, the first one's comment covers the run."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        commented = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                     if t.type == tokenize.COMMENT}
+        follows = set()  # lines that continue a run of imports
+        for stmt in function_level_imports(path):
+            explained = {stmt.lineno, stmt.lineno - 1} & commented or stmt.lineno in follows
+            if explained:
+                follows.add(stmt.end_lineno + 1)
+            else:
+                found.append(f"{path.relative_to(root.parent)}:{stmt.lineno}")
+    return found
+
+
+def test_every_function_level_import_says_why():
+    """An import inside a function either moves to the module's top or says why it must stay
+    (`# lazy: ...`, `# optional dependency (...)`): what `import lightning_mcore` already loads
+    costs nothing at the top, and a hidden cycle is fixed by moving code, not hidden."""
+    found = unexplained_imports()
+    assert not found, "function-level imports without a comment saying why: " + ", ".join(found)
+
+
+def test_the_comment_check_fails_on_an_unexplained_import(tmp_path):
+    package = tmp_path / "lightning_mcore"
+    package.mkdir()
+    (package / "a.py").write_text(
+        "import os\n\n\n"
+        "def explained():\n"
+        "    import json  # lazy: a stand-in reason\n"
+        "    import csv\n\n"  # the run the comment above covers
+        "    # optional dependency (a stand-in)\n"
+        "    import zlib\n\n\n"
+        "def unexplained():\n"
+        "    x = 1\n"
+        "    import json\n"
+        "    return json, x\n")
+    assert unexplained_imports(package) == ["lightning_mcore/a.py:14"]

@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_mcore.model import te
 from lightning_mcore.model.config import te_available, to_transformer_config
 from lightning_mcore.strategy import checkpoint_io
 from lightning_mcore.strategy.memory import RECOMPUTE_MODULES, MemoryOptionError, validate_memory
@@ -248,9 +249,7 @@ def test_optimizer_offload_needs_te_installed():
     (OptimizerSettings(cpu_offload=True), GPU_DIST, torch.float32, True, True),  # offload needs it
 ])
 def test_precision_aware_default(monkeypatch, settings, parallel, dtype, on_gpu, expected):
-    import lightning_mcore.model.config as model_config
-
-    monkeypatch.setattr(model_config, "te_available", lambda: True)
+    monkeypatch.setattr(te, "te_available", lambda: True)
     assert uses_precision_aware(settings, parallel, dtype, on_gpu) is expected
 
 

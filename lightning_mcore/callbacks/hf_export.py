@@ -7,6 +7,8 @@ from typing import Literal, Optional
 
 import lightning as L
 
+from lightning_mcore.hf.export_dir import check_targets
+
 
 class HFExport(L.Callback):
     """Every `every_n_train_steps` optimizer steps and/or at the end of training, write
@@ -59,8 +61,6 @@ class HFExport(L.Callback):
     def check_targets(self, start_step: int, max_steps: int) -> None:
         """ExportTargetError if an export this run will write would replace something it may
         not (collective in a distributed run)."""
-        from lightning_mcore.hf.export_dir import check_targets
-
         check_targets([self.path(step) for step in self.planned_steps(start_step, max_steps)],
                       self.overwrite)
 

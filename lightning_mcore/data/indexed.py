@@ -12,6 +12,8 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from torch.utils.data import Dataset
 
 from megatron.core.tokenizers import MegatronTokenizerBase
@@ -106,11 +108,6 @@ def build_indexed_datasets(
     mcore splits by documents, so ``val_split`` is a fraction of documents here. Must run on
     every rank: when torch.distributed is up, rank 0 builds the index cache first.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
     for prefix in prefixes:
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
         if missing:

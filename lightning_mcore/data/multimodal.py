@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from PIL import Image
 from torch.utils.data import Dataset
 
 from lightning_mcore.data import peek
@@ -245,6 +246,7 @@ class VisionLanguageDataModule(DataParallelDataModule):
         self._process()
 
     def _process(self) -> Any:
+        # lazy: datasets' import takes ~0.4 s, which `import lightning_mcore` and `--help` skip
         import datasets
 
         hp, parts = self.hparams, []
@@ -367,7 +369,7 @@ def process_records(records: Any, processor: VisionProcessor, chat: ChatFormat, 
     ``problem`` (a bad sample's message), ``pixel_values`` (flat), ``image_grid_thw``,
     ``image_end`` (tokens up to the last image token) and ``largest_image`` (its tokens).
     Cached, see ``chat_module.map_cached``."""
-    import datasets
+    import datasets  # lazy: datasets' import takes ~0.4 s, which `import lightning_mcore` and `--help` skip
 
     ints, ids = datasets.Value("int32"), datasets.Sequence(datasets.Value("int32"))
     features = dict(input_ids=ids, assistant_mask=datasets.Sequence(datasets.Value("int8")),
@@ -456,8 +458,6 @@ def _text(content: Any) -> str:
 
 def open_image(reference: str, image_dir: str, where: str, options: ImageOptions) -> Any:
     """The image file as an RGB PIL image, or ``BadSample`` naming it."""
-    from PIL import Image
-
     if reference.startswith(("http://", "https://", "data:")):
         raise BadSample("remote image", f"{where}: image {reference[:80]!r} is not a local "
                         "file; download it and give its path")

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset, Subset
 from lightning_mcore.data import peek, preprocess
 from lightning_mcore.data.files import BUILDERS, resolve_files
 from lightning_mcore.data.feeding import DataParallelDataModule
+from lightning_mcore.data.indexed import build_indexed_datasets
 
 
 class PackedSequences(Dataset):
@@ -147,8 +148,6 @@ class PretrainDataModule(DataParallelDataModule):
         if self.train_dataset is not None:
             return
         if self.indexed_prefixes is not None:
-            from lightning_mcore.data.indexed import build_indexed_datasets
-
             hp = self.hparams
             self.train_dataset, self.val_dataset = build_indexed_datasets(
                 self.indexed_prefixes,

@@ -21,7 +21,8 @@ from lightning_mcore.data.two_rows import RowsWith
 
 
 class RewardDataModule(DPODataModule):
-    """DPODataModule's arguments, and ``margin``: the dataset's column of per-pair margins
+    """Preference pairs for a reward model (RewardModule), each with an optional margin.
+    DPODataModule's arguments, and ``margin``: the dataset's column of per-pair margins
     (numbers; absent column: every margin 0; None: ignore the column)."""
 
     def __init__(self, *args: Any, margin: Optional[str] = "margin", **kwargs: Any) -> None:

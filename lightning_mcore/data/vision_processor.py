@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers.image_utils import SizeDict
 
 from lightning_mcore.data.preprocess import tokenizer_dir
 from lightning_mcore.hf.config import read_config_json
@@ -62,8 +64,6 @@ class VisionProcessor:
     def set_max_image_tokens(self, tokens: int) -> None:
         """Resize images down to at most ``tokens`` merged tokens (the processor's max_pixels),
         lowering min_pixels to match where it was above."""
-        from transformers.image_utils import SizeDict
-
         size = self.image_processor.size
         most = tokens * self.pixels_per_token
         least = min(getattr(size, "shortest_edge", None) or most, most)
@@ -115,8 +115,6 @@ class VisionProcessor:
 def load_vision_processor(path: str) -> VisionProcessor:
     """The model directory's processor: ``AutoProcessor`` where it loads, else its image
     processor and tokenizer (see the module's docstring)."""
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
-
     path = tokenizer_dir(path)
     token_ids = _token_ids(path)
     try:

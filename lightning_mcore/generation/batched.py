@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from lightning_mcore.generation.kv_cache import next_token_logits
 from lightning_mcore.model import routing_replay
@@ -150,9 +152,6 @@ def _expert_parallel_share(prompts: list[list[int]], cfg) -> Optional[tuple[list
     rank its own number of steps and hang the all-to-all. So each generates the prompts of all
     data-parallel ranks: returns (each rank's prompts, where this rank's begin among all), or None
     when not needed."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     if not cfg.num_moe_experts or (ps.get_expert_model_parallel_world_size() or 1) == 1:
         return None
     group = ps.get_data_parallel_group()

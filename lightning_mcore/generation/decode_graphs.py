@@ -32,6 +32,7 @@ import weakref
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from lightning_mcore.lora.adapters import adapters_of
 from lightning_mcore.model import inference_context, routing_replay
 
 # chunk -> its DecodeGraphs (one row count at a time: a new count frees the old cache)
@@ -90,8 +91,6 @@ class DecodeGraphs:
 
     def adapters_state(self) -> tuple:
         """The LoRA adapters' Python switches, which a graph bakes in (fixed during a call)."""
-        from lightning_mcore.lora.adapters import adapters_of
-
         return tuple((a.enabled, a.merged) for _, a, _ in adapters_of([self.chunk]))
 
     @contextlib.contextmanager

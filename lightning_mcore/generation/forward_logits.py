@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core import tensor_parallel
 
 from lightning_mcore.model.config import refuse_longer
 
@@ -21,8 +22,6 @@ def forward_logits(strategy, chunks, tokens: torch.Tensor, cfg,
     microbatch, vocab-parallel logits gathered over tensor-parallel ranks, shared from the
     last pipeline stage (`strategy`: a MegatronStrategy, a callable giving one, so that
     wrong inputs are refused first; `cfg`: the GPTConfig)."""
-    from megatron.core import tensor_parallel
-
     refuse_longer(tokens.shape[-1], cfg.seq_length, "forward_logits (generation, predict): token rows")
     strategy = strategy() if callable(strategy) else strategy
     strategy.refuse_context_parallel("forward_logits (generation, predict)")

@@ -21,9 +21,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from megatron.core.transformer.attention import Attention
+from megatron.core.transformer.utils import set_model_to_sequence_parallel
+from megatron.core.utils import unwrap_model
 
-from lightning_mcore.generation import reproducible_attention
+from lightning_mcore.generation import decode_graphs, reproducible_attention
 from lightning_mcore.model import inference_context as ic
+from lightning_mcore.model.gated_delta_net import GatedDeltaNet
 
 
 class TokenColumns:
@@ -48,9 +53,6 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_gr
     steps replay kept CUDA graphs where generation/decode_graphs.py can (else eager). `inputs`: what
     each step feeds the model (default TokenColumns; another runs without graphs). `recording`:
     the routers record their choices (model/routing_replay.py), in graphs too (graph_routing)."""
-    from megatron.core.transformer.utils import set_model_to_sequence_parallel
-    from megatron.core.utils import unwrap_model
-
     training = [c.training for c in chunks]
     sequence_parallel = strategy.parallel.sequence_parallel
     try:
@@ -71,10 +73,6 @@ def new_context(chunk, rows: int, max_length: int, device):
     """An inference context for `chunk`, with its K/V buffers allocated on `device` (mcore's
     own allocation asks for a CUDA device; a linear-attention layer keeps its convolution window
     and recurrent state there instead)."""
-    from megatron.core.transformer.attention import Attention
-
-    from lightning_mcore.model.gated_delta_net import GatedDeltaNet
-
     context = ic.new_context(rows, max_length)
     for module in chunk.modules():
         if isinstance(module, GatedDeltaNet):
@@ -91,8 +89,6 @@ def new_context(chunk, rows: int, max_length: int, device):
 class CachedForward:
     def __init__(self, strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool,
                  inputs: TokenColumns, recording: bool = False) -> None:
-        from lightning_mcore.generation import decode_graphs
-
         self.strategy, self.chunks, self.cfg, self.rows = strategy, list(chunks), cfg, rows
         self.inputs, self.recording = inputs, recording
         device = strategy.root_device
@@ -129,7 +125,6 @@ class CachedForward:
             except RuntimeError:
                 if not self.graphs.failed:  # not a capture: a real error of the step
                     raise
-                from lightning.pytorch.utilities import rank_zero_warn
 
                 rank_zero_warn(f"generate: CUDA graph capture of a decode step failed "
                                f"({self.graphs.failed}); decoding eagerly from now on "

@@ -24,7 +24,7 @@ SELECT = ("NVTE_FUSED_ATTN", "NVTE_FLASH_ATTN")  # both off: TE runs its unfused
 
 def _backend_cache():
     """TE's record of its last backend choice (None without TE)."""
-    try:
+    try:  # optional dependency (transformer_engine)
         from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention
     except ImportError:
         return None

@@ -18,8 +18,10 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from safetensors.torch import save_file
 
+from lightning_mcore.hf.checkpoint import SafetensorsReader
 from lightning_mcore.hf.export_dir import PROCESSOR_FILES, TOKENIZER_FILES, check_target, staged_dir
 from lightning_mcore.hf.load import chunk_parameters, dims_of, parallel_ranks, size_of
 from lightning_mcore.hf.mappings import Entry, shape_symbols
@@ -29,8 +31,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def _items(chunks, cfg, entries: list[Entry]):
     """This rank's (order key, param, entry, layer, expert), for the tensors its group owns."""
-    from megatron.core import parallel_state as ps
-
     ranks = parallel_ranks()
     dense_owner = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_owner = ps.get_expert_data_parallel_rank() == 0
@@ -61,8 +61,6 @@ def _refuse_incomplete(weights: list[Entry], plan) -> None:
 
 def gather_shards(param: torch.Tensor, expert: bool) -> list[torch.Tensor]:
     """The shards of `param` over TP (a routed expert's: over expert-TP), in rank order."""
-    from megatron.core import parallel_state as ps
-
     group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
@@ -206,7 +204,6 @@ def _copy_carried(source_dir, carried: tuple[str, ...], writer: "_ShardWriter") 
     """The source checkpoint's tensors under the `carried` prefixes, bit for bit."""
     if not carried or source_dir is None:  # (carried prefixes come from source_dir's config.json)
         return
-    from lightning_mcore.hf.checkpoint import SafetensorsReader
 
     with SafetensorsReader(Path(source_dir)) as reader:
         for name in sorted(n for n in reader.files if n.startswith(carried)):

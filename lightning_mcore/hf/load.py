@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from lightning_mcore.hf.checkpoint import CheckpointError, ExpertView, SafetensorsReader
 from lightning_mcore.hf.mappings import Entry, local_name, shape_symbols
@@ -48,8 +50,6 @@ def unwrap(chunk):
 
 
 def parallel_ranks() -> dict[str, tuple[int, int]]:
-    from megatron.core import parallel_state as ps
-
     return {
         "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
         "etp": (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()),
@@ -149,8 +149,6 @@ def _refuse_unread(directory: Path, in_checkpoint, read: set, tied: bool) -> Non
     """Every checkpoint tensor must have a place in the model (over all ranks together): one
     that nothing reads would be silently dropped, and the model would compute something else
     (a bias or norm the family table does not know). Collective when distributed."""
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sorted(read))

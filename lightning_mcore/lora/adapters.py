@@ -59,7 +59,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.tensor_parallel import mappings
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_mcore.lora.config import TARGETS, LoRAConfig, LoRAError, adapts_experts, resolve_targets
 from lightning_mcore.lora.grouped import expert_weights, grouped_hook, is_grouped_linear
@@ -141,9 +145,6 @@ class LoRAAdapter(torch.nn.Module):
         return (b.float() @ a.float()) * self.scale
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         if self.expert:
             return self._expert_sharded_state_dict(prefix)
         out = make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, self.tp_axis, ())
@@ -160,8 +161,6 @@ class LoRAAdapter(torch.nn.Module):
             fc1 B, ETP=2, EP=2:  global [E, 2*ffn, r] = rows [gate; up] of every expert
               (ep0, etp0) holds experts [0, E/2), rows [gate_0; up_0]  (gate_0 = gate rows 0..ffn/2)
         """
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
         etp, etp_rank = _tp_size(True), _tp_rank(True)
         dp_rank = parallel_state.get_expert_data_parallel_rank()
         by_ep = (0, parallel_state.get_expert_model_parallel_rank(),
@@ -195,8 +194,6 @@ def _gated_rows_factory(key: str, data: torch.Tensor, by_ep: tuple, rank: int, s
     """Stacked SwiGLU fc1 B [experts, 2*ffn/etp, r] holding rows [gate_i; up_i] of ETP rank i,
     saved as the global [experts, 2*ffn, r] with rows [gate; up]: the two halves are separate
     shards of axis 1 (mcore's apply_swiglu_sharded_factory, on axis 1 of a stacked tensor)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
     def build(key, t, replica_id, flattened_range):
         gate, up = torch.chunk(t, 2, dim=1)
         return [ShardedTensor.from_rank_offsets(key, gate, by_ep, (1, rank, 2 * size), replica_id=replica_id),
@@ -399,8 +396,6 @@ def with_expert_tp_grad_sums(finalize_model_grads):
 
 def sum_expert_tp_partial_grads(chunks) -> None:
     """All-reduce (sum) the marked parameters' gradients (mcore's main_grad) over expert-TP."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     if _tp_size(True) == 1:
         return
     grads = [getattr(p, "main_grad", p.grad) for c in chunks for p in c.parameters()

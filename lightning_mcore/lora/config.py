@@ -48,7 +48,10 @@ class LoRAError(ValueError):
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """`target_modules`: "all-linear", or mcore names (linear_qkv, linear_proj, linear_fc1,
+    """LoRA: low-rank adapters trained on chosen linear layers while their base weights stay
+    frozen (a module's `lora`).
+
+    `target_modules`: "all-linear", or mcore names (linear_qkv, linear_proj, linear_fc1,
     linear_fc2; MLA: linear_q_proj, linear_q_down_proj, ...) and/or HF names (q_proj, ...,
     down_proj, q_a_proj, ...; fused ones come together)."""
 

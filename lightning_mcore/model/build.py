@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.extensions.transformer_engine import TENorm
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -102,8 +103,6 @@ def block_spec(cfg: GPTConfig, tf_config, use_te: bool, vp_stage: Optional[int])
 
 def final_norm(use_te: bool):
     if use_te:
-        from megatron.core.extensions.transformer_engine import TENorm
-
         return TENorm
     return RMSNorm
 

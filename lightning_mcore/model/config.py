@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+from lightning_mcore.model.mla import mla_config_kwargs
+from lightning_mcore.model.rope import yarn_attention_factor
+from lightning_mcore.model.te import te_available, te_cross_entropy_in_fp32
 
 TransformerImpl = Literal["auto", "transformer_engine", "local"]
 # Of the gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), quick_gelu (x * sigmoid(1.702 x) gating;
@@ -308,20 +315,14 @@ ACTIVATIONS = {
 
 def activation_func(name: str):
     """The activation function mcore is given; quick_gelu is mcore's own (its fused expert
-    kernels recognise it), imported only here: megatron's imports stay off the CLI's path."""
-    if name == "quick_gelu":
-        from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
-        return quick_gelu
-    return ACTIVATIONS[name]
+    kernels recognise it)."""
+    return quick_gelu if name == "quick_gelu" else ACTIVATIONS[name]
 
 
 def attention_scale(cfg: GPTConfig) -> Optional[float]:
     """The softmax scale: softmax_scale (1/sqrt(head_dim) when None) times YaRN's attention
     factor squared, which transformers applies to the RoPE cos/sin of queries and keys alike
     (the cached keys included), i.e. to every score."""
-    from lightning_mcore.model.rope import yarn_attention_factor
-
     factor = yarn_attention_factor(cfg.rope_scaling) if cfg.mla is None else 1.0
     if factor == 1.0:
         return cfg.softmax_scale
@@ -332,32 +333,6 @@ def _fields(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def te_cross_entropy_in_fp32() -> bool:
-    """Whether the installed Transformer Engine's fused cross entropy keeps its gradient in
-    float32: from 2.18 (TransformerEngine #3193). Before, it rounded the softmax gradient into the
-    bf16 logits, which mcore 0.19 warns of and Megatron-LM refuses; mcore's own fusion is used
-    then. Read from the package's metadata, so that quiet.py may ask before TE is imported."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    for name in ("transformer_engine", "transformer_engine_torch"):  # the wheel, or its torch part
-        try:
-            return Version(version(name)) >= Version("2.18")
-        except PackageNotFoundError:
-            continue
-    return False
-
-
 def to_transformer_config(
     cfg: GPTConfig,
     parallel,  # strategy.parallel.ParallelConfig
@@ -366,11 +341,6 @@ def to_transformer_config(
     use_te: bool,
 ):
     """Build mcore's TransformerConfig; execution flags follow the device (fusions need CUDA)."""
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    from lightning_mcore.model.mla import mla_config_kwargs
-
     p = parallel
     kwargs = dict(
         num_layers=cfg.num_layers,

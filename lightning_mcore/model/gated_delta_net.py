@@ -34,8 +34,14 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.extensions.transformer_engine import (
+    TELayerNormColumnParallelLinear,
+    TENorm,
+    TERowParallelLinear,
+)
 from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
 from megatron.core.ssm.utils import _split_tensor_factory
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -44,8 +50,10 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
+from packaging.version import Version
 
 from lightning_mcore.model import inference_context as ic
+from lightning_mcore.model.norm import RMSNorm
 
 IN_PROJ_SECTIONS = ("query", "key", "value", "z", "beta", "alpha")
 L2NORM_EPS = 1e-6  # transformers' and flash-linear-attention's
@@ -214,10 +222,9 @@ def fla_kernel():
     """flash-linear-attention's chunk_gated_delta_rule where it is installed and its Triton is
     3.7.1 or newer (on Hopper, fla refuses the backward of older Triton: "incorrect results");
     None: mcore's torch form."""
-    try:
+    try:  # optional dependencies (flash-linear-attention and its Triton): absent, mcore's torch form
         import triton
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        from packaging.version import Version
     except Exception:
         return None
     return chunk_gated_delta_rule if Version(triton.__version__) >= Version("3.7.1") else None
@@ -242,17 +249,7 @@ def _recurrent_step(q, k, v, g, beta, state):
 def with_linear_attention(spec, use_te: bool):
     """A copy of layer spec `spec` with Gated DeltaNet in place of its self-attention (its input
     norm stays where the spec has it: fused into in_proj with TE, a separate RMSNorm without)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    from lightning_mcore.model.norm import RMSNorm
-
     if use_te:
-        from megatron.core.extensions.transformer_engine import (
-            TELayerNormColumnParallelLinear,
-            TENorm,
-            TERowParallelLinear,
-        )
-
         parts = GatedDeltaNetSubmodules(TELayerNormColumnParallelLinear, TENorm, TERowParallelLinear)
     else:
         parts = GatedDeltaNetSubmodules(ColumnParallelLinear, RMSNorm, RowParallelLinear)

@@ -20,13 +20,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.utils import InferenceMode
 
 
 def new_context(rows: int, max_length: int) -> Any:
     """An empty context for `rows` sequences of up to `max_length` positions; the caller puts
     each layer's buffers in with `keep_buffers`."""
-    from megatron.core.inference.contexts import StaticInferenceContext
-
     return StaticInferenceContext(rows, max_length)
 
 
@@ -57,13 +57,9 @@ def position(context) -> int:
 
 def inference_mode():
     """mcore reads a process-wide flag, not the context, to run its inference paths."""
-    from megatron.core.inference.utils import InferenceMode
-
     return InferenceMode.active()
 
 
 def is_active() -> bool:
     """Whether mcore's layers run their inference paths now (inside `inference_mode()`)."""
-    from megatron.core.inference.utils import InferenceMode
-
     return InferenceMode.is_active()

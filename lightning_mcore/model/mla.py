@@ -16,6 +16,16 @@ import copy
 import functools
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from lightning_mcore.model.attention import SDPAttention
@@ -54,11 +64,6 @@ def _whole_kv_latent(config):
     output itself, as a replicated down projection would give it (mcore's TE spec uses one), so
     that mcore sums the RoPE key's gradient over TP: under sequence parallelism by gathering it
     over the sequence (sequence shard out of here), else by the all-reduce added here."""
-    from megatron.core.tensor_parallel.mappings import (
-        gather_from_tensor_model_parallel_region,
-        scatter_to_sequence_parallel_region,
-    )
-
     latent = config.kv_lora_rank
 
     def hook(module, args, output):
@@ -83,8 +88,6 @@ class _SumGradOverTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from megatron.core import parallel_state
-
         grad = grad.contiguous()
         torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
         return grad
@@ -139,9 +142,6 @@ def mla_layer_spec(cfg, use_te: bool, experts):
     eps = cfg.mla.latent_norm_epsilon
     own_eps = eps is not None and eps != cfg.norm_epsilon  # mcore builds them with the layers' eps
     if use_te:
-        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
         spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=cfg.mcore_grouped_gemm, qk_layernorm=True,
             multi_latent_attention=True))
@@ -153,7 +153,6 @@ def mla_layer_spec(cfg, use_te: bool, experts):
             sub.linear_q_up_proj = sub.linear_kv_up_proj = TEColumnParallelLinear
             sub.q_layernorm = sub.kv_layernorm = _with_eps(_TENormFactory, eps, TENorm=TENorm)
         return spec
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = copy.deepcopy(get_gpt_layer_local_spec(
         num_experts=experts, moe_grouped_gemm=cfg.mcore_grouped_gemm, qk_layernorm=True,

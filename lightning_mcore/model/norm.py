@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
 from lightning_mcore.model.group_sum import sum_over_group
 
@@ -53,8 +54,6 @@ class ProjectionRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(self.size, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from megatron.core import parallel_state
-
         group = parallel_state.get_tensor_model_parallel_group()
         tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         local = x.shape[-2] * x.shape[-1]

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import functools
 
+from megatron.core.extensions.transformer_engine import TENorm, TERowParallelLinear
 from megatron.core.tensor_parallel import RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 
@@ -47,8 +48,6 @@ class RowParallelLinearPostNorm(_PostNorm, RowParallelLinear):
 
 @functools.cache
 def te_row_parallel_linear_post_norm() -> type:
-    from megatron.core.extensions.transformer_engine import TENorm, TERowParallelLinear
-
     class TERowParallelLinearPostNorm(_PostNorm, TERowParallelLinear):
         norm_class = TENorm
 

@@ -20,6 +20,8 @@ import contextlib
 from typing import Iterator, Sequence
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 
 def moe_routers(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -38,8 +40,6 @@ def routers_by_chunk(chunks: Sequence[torch.nn.Module]) -> dict[int, list[tuple[
 
 
 def _action(name: str):
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     return {"record": RouterReplayAction.RECORD, "replay": RouterReplayAction.REPLAY_FORWARD}[name]
 
 
@@ -89,7 +89,6 @@ def local_tokens(flat: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     rank's contiguous slice (as mcore scatters a THD row), else all of it."""
     if not sequence_parallel:
         return flat
-    from megatron.core import parallel_state as ps
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if flat.shape[0] % tp:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from megatron.core import parallel_state as ps, tensor_parallel
+from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
 from lightning_mcore.sequence.packing import packed_seq_params_for
 
@@ -112,7 +114,6 @@ def scattered(values: torch.Tensor, mask: torch.Tensor, like: torch.Tensor, sequ
         mask[..., None], values.to(like.dtype))
     if not sequence_parallel:
         return full
-    from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
     return scatter_to_sequence_parallel_region(full)
 
@@ -120,7 +121,6 @@ def scattered(values: torch.Tensor, mask: torch.Tensor, like: torch.Tensor, sequ
 def local_mask(mask: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
     if not sequence_parallel:
         return mask
-    from megatron.core import parallel_state as ps
 
     size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     part = mask.shape[0] // size
@@ -157,8 +157,6 @@ def forward_vision_language(chunk, batch: dict, image_token_id: int, losses: boo
 def forward_logits(strategy, chunks, batch: dict, cfg) -> torch.Tensor:
     """Full-vocabulary logits [rows, seq, vocab] of a vision-language batch (each row one
     microbatch, its samples apart by segment_ids), on every rank (collective)."""
-    from megatron.core import tensor_parallel
-
     strategy.refuse_context_parallel("vision-language logits")
     batch = {k: v.to(strategy.root_device) for k, v in batch.items()}
     rows, seq = batch["tokens"].shape

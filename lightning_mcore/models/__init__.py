@@ -12,10 +12,15 @@ import pkgutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import transformers
+
 from lightning_mcore.hf.config import HFCheckpointError, read_config_json
 from lightning_mcore.hf.mappings import Entry
 from lightning_mcore.hf.mxfp4 import ONLY_MXFP4, other_quantization
+from lightning_mcore.hf.peft_export import experts_layout
+from lightning_mcore.lora.config import adapts_experts, resolve_targets
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.vision import attach_vision_encoder
 from lightning_mcore.models.architecture import Architecture, HFConfig
 
 ARCHITECTURES: dict[str, Architecture] = {}  # by HF class name, e.g. "LlamaForCausalLM"
@@ -112,8 +117,6 @@ def hf_config_dict_from_gpt(cfg: GPTConfig, family: str, **hf_overrides: Any) ->
     `max_position_embeddings` is cfg.seq_length; pass it (or bos/eos_token_id, ...) in
     `hf_overrides` to write something else.
     """
-    import transformers
-
     arch = by_family(family)
     kwargs = dict(architectures=[arch.hf_class]) | arch.hf_config(cfg) | hf_overrides
     return getattr(transformers, arch.config_class)(**kwargs).to_dict()
@@ -163,9 +166,6 @@ def export_config(cfg: GPTConfig, family: Optional[str], source_dir=None) -> Opt
 def export_layout(cfg: GPTConfig, family: Optional[str], lora, mode: str, requested: Optional[str] = None) -> str:
     """The layout of the expert adapters in an export of `mode` (`lora_experts_layout`; None: the
     default), after refusing one the model cannot hold or that peft would load wrong."""
-    from lightning_mcore.hf.peft_export import experts_layout
-    from lightning_mcore.lora.config import adapts_experts
-
     layout = experts_layout(requested, mode, lora is not None and adapts_experts(lora, cfg),
                             peft_experts(cfg, family))
     if mode == "peft":
@@ -176,8 +176,6 @@ def export_layout(cfg: GPTConfig, family: Optional[str], lora, mode: str, reques
 def refuse_peft_export(cfg: GPTConfig, family: Optional[str], lora, experts_layout: str = "fused") -> None:
     """Refuse a PEFT export that peft would load wrong (the adapter is fine merged).
     `experts_layout="per_expert"`: expert adapters under per-expert names, peft's limits aside."""
-    from lightning_mcore.lora.config import adapts_experts, resolve_targets
-
     arch = _family(cfg, family)
     if adapts_experts(lora, cfg):
         if experts_layout == "per_expert":
@@ -242,7 +240,6 @@ def attach_vision_encoders(chunks, cfg: GPTConfig, family: Optional[str]) -> Non
     dtype, before weights go in) and deepstack hooks (model/vision.py); a text model: nothing."""
     if cfg.vision is None:
         return
-    from lightning_mcore.model.vision import attach_vision_encoder
 
     for chunk in chunks:
         if chunk.pre_process:

@@ -10,7 +10,10 @@ tensors map one to one. A family module sets the names below.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
+import transformers
 
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.model.config import GPTConfig, MRoPEConfig, VisionConfig
@@ -36,7 +39,6 @@ class VisionLanguage(Architecture):
         transformers' own config class when it is in the older flat layout."""
         if "text_config" in hf:
             return hf.data
-        import transformers
 
         return getattr(transformers, self.config_class).from_dict(dict(hf.data)).to_dict()
 
@@ -90,8 +92,6 @@ class VisionLanguage(Architecture):
         return parts.renamed(self.text_family.weights(cfg), "model.", self.peft_decoder)
 
     def vision_encoder(self, cfg: GPTConfig) -> torch.nn.Module:
-        import importlib
-
         if cfg.vision is None:
             raise HFCheckpointError(f"{self.hf_class}: the model config has no vision encoder.")
         # from the family's modeling module: not every transformers 5 exports the encoder's class

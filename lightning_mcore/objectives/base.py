@@ -17,17 +17,27 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_mcore import models
 from lightning_mcore.generation import batched
 from lightning_mcore.generation.forward_logits import forward_logits
+from lightning_mcore.hf.export import export_hf
 from lightning_mcore.hf.load import load_hf_weights
+from lightning_mcore.hf.peft_export import export_peft
+from lightning_mcore.lora.adapters import apply_lora, set_merged
 from lightning_mcore.lora.checks import expert_backend_for_lora
 from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.build import build_chunks  # here, not in the ranks: forked ones share it
 from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.model.init import init_layout_invariant
 from lightning_mcore.objectives.console import count_parameters, replacing_defaults
+from lightning_mcore.strategy import checkpoint_io
+from lightning_mcore.strategy.megatron import MegatronStrategy
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
 class MegatronModule(L.LightningModule):
-    """`model` is a GPTConfig (train from scratch), the path of a Hugging Face checkpoint
+    """The LightningModule every objective builds on: it builds the mcore GPT model for
+    MegatronStrategy, loads its weights, runs each step through the strategy and exports to
+    Hugging Face; a subclass gives the loss (forward_step).
+
+    `model` is a GPTConfig (train from scratch), the path of a Hugging Face checkpoint
     directory (its config.json gives the architecture, its safetensors the weights), or a
     checkpoint directory saved by MegatronStrategy (fine-tuning: its weights only, at any
     layout; the optimizer, step count and data position start fresh). `model_overrides`
@@ -42,7 +52,6 @@ class MegatronModule(L.LightningModule):
         lora: Optional[LoRAConfig] = None,
     ) -> None:
         super().__init__()
-        from lightning_mcore.strategy import checkpoint_io
 
         # hf_path: the HF directory behind the model (tokenizer and config travel into exports);
         # init_checkpoint: a MegatronStrategy checkpoint whose weights the model starts from.
@@ -81,8 +90,6 @@ class MegatronModule(L.LightningModule):
         self.chunks: Optional[torch.nn.ModuleList] = None
 
     def _strategy(self):
-        from lightning_mcore.strategy.megatron import MegatronStrategy
-
         strategy = self.trainer.strategy
         if not isinstance(strategy, MegatronStrategy):
             raise TypeError(
@@ -107,8 +114,6 @@ class MegatronModule(L.LightningModule):
         strategy = self._strategy()
         chunks = self._build_chunks(strategy)
         if self.lora is not None:
-            from lightning_mcore.lora.adapters import apply_lora
-
             apply_lora(chunks, self.lora, strategy.seed)
             trainable = count_parameters(chunks, trainable_only=True)
             total = count_parameters(chunks)
@@ -122,9 +127,6 @@ class MegatronModule(L.LightningModule):
         or an HF checkpoint (only this rank's slices, any saved layout), or drawn so that they
         do not depend on the parallel layout. `source`: another model built the same way (a
         distillation teacher), anything with model_config, hf_family, hf_path, init_checkpoint."""
-        from lightning_mcore.model.init import init_layout_invariant
-        from lightning_mcore.strategy import checkpoint_io
-
         source = self if source is None else source
         cfg = source.model_config
         tp = strategy.parallel.tensor_model_parallel_size
@@ -158,9 +160,6 @@ class MegatronModule(L.LightningModule):
         target_parameters on transformers 5's fused experts) or "per_expert" (vLLM's names).
         `directory` must be new or empty; `overwrite` replaces an earlier export (never other
         files: hf/export_dir.py)."""
-        from lightning_mcore.hf.export import export_hf
-        from lightning_mcore.lora.adapters import set_merged
-
         layout = self.check_hf_export(mode, lora_experts_layout)
         strategy = self._strategy()
         strategy.refuse_nonfinite_weights(f"the HF export {directory}")
@@ -168,8 +167,6 @@ class MegatronModule(L.LightningModule):
         padded = self.model_config.padded_vocab_size(strategy.parallel.tensor_model_parallel_size)
         protected = [self.init_checkpoint]
         if mode == "peft":
-            from lightning_mcore.hf.peft_export import export_peft
-
             weights, scope = models.peft_weights(self.model_config, self.hf_family)
             return export_peft(chunks, self.model_config, weights, self.lora, directory,
                                base_model=self.hf_path, overwrite=overwrite, protected=protected,

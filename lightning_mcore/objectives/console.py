@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from megatron.core import parallel_state as ps
 
 from lightning_mcore.model.flops import training_flops_per_token
 
@@ -98,8 +99,6 @@ def count_parameters(chunks, trainable_only: bool = False) -> int:
     """Parameters of the whole model: TP shards summed, TP-replicated tensors counted once,
     stages summed over the pipeline (a tied output layer on the last stage counts again);
     MoE expert weights (`allreduce=False`) summed over EP, counted once per expert-TP group."""
-    from megatron.core import parallel_state as ps
-
     ranks = {False: ps.get_tensor_model_parallel_rank(), True: ps.get_expert_tensor_parallel_rank()}
     mine = [0, 0]  # dense, expert
     for p in (p for c in chunks for p in c.parameters()):

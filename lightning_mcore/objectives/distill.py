@@ -31,6 +31,8 @@ from typing import Literal, Optional, Union
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from megatron.core import parallel_state
+from transformers import AutoTokenizer
 
 from lightning_mcore import models
 from lightning_mcore.lora.config import LoRAConfig
@@ -39,12 +41,16 @@ from lightning_mcore.objectives.base import MegatronModule
 from lightning_mcore.objectives.distill_loss import token_cross_entropy, token_divergence
 from lightning_mcore.objectives.frozen import WithFrozenModel
 from lightning_mcore.sequence.packing import packed_seq_params
+from lightning_mcore.strategy import checkpoint_io
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 
 @dataclasses.dataclass
 class DistillSettings:
-    """`divergence`: forward_kl (KL(teacher || student), mode-covering), reverse_kl (KL(student ||
+    """The distillation loss (DistillModule's `distill`): which divergence, at which
+    temperature, mixed with how much of the SFT loss.
+
+    `divergence`: forward_kl (KL(teacher || student), mode-covering), reverse_kl (KL(student ||
     teacher), mode-seeking) or jsd (GKD's generalized Jensen-Shannon with `beta`: 0 is forward_kl,
     1 reverse_kl). `temperature` divides both models' logits. `sft_weight`: the share of the
     cross-entropy on the data's labels in the loss (0: distillation only). `lmbda`: GKD's share of
@@ -86,8 +92,6 @@ class Teacher:
 def read_teacher(path: Union[str, os.PathLike], seq_length: int, overrides: Optional[dict] = None) -> Teacher:
     """The teacher at `path` (an HF directory or one of our checkpoints) at the student's
     seq_length; `overrides` change its config fields."""
-    from lightning_mcore.strategy import checkpoint_io
-
     overrides = {"seq_length": seq_length, **(overrides or {})}
     if checkpoint_io.is_checkpoint(path):
         saved = checkpoint_io.read_saved_model(path)
@@ -107,8 +111,6 @@ def read_teacher(path: Union[str, os.PathLike], seq_length: int, overrides: Opti
 
 def same_tokenizer(a: Union[str, os.PathLike], b: Union[str, os.PathLike]) -> bool:
     """Both directories' tokenizers map the same strings to the same ids (added tokens too)."""
-    from transformers import AutoTokenizer
-
     files = ("tokenizer.json",)
     if all((Path(d) / f).is_file() for d in (a, b) for f in files) and all(
             (Path(a) / f).read_bytes() == (Path(b) / f).read_bytes() for f in files):
@@ -129,7 +131,10 @@ def _has_tokenizer(directory) -> bool:
 
 
 class DistillModule(WithFrozenModel, MegatronModule):
-    """`teacher`: an HF directory or a MegatronStrategy checkpoint with the student's vocabulary
+    """Knowledge distillation: the student (`model`) learns a frozen teacher's next-token
+    distributions on the data's tokens.
+
+    `teacher`: an HF directory or a MegatronStrategy checkpoint with the student's vocabulary
     and tokenizer (`teacher_overrides` change its config fields); `distill`: the loss
     (DistillSettings)."""
 
@@ -221,8 +226,6 @@ class DistillModule(WithFrozenModel, MegatronModule):
         out = _packed_logits(chunk, batch)
 
         def loss_fn(logits):
-            from megatron.core import parallel_state
-
             group = parallel_state.get_tensor_model_parallel_group()
             logits = logits.reshape(-1, logits.shape[-1])
             teacher = teacher_logits.reshape(logits.shape[0], -1)

@@ -86,7 +86,10 @@ def preference_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float,
 
 
 class DPOModule(WithFrozenModel, MegatronModule):
-    """`beta`, `label_smoothing` (sigmoid only) and `loss_type` ("sigmoid" DPO or "ipo").
+    """Direct Preference Optimization on preference pairs (DPODataModule), against a frozen
+    reference: the model it starts from.
+
+    `beta`, `label_smoothing` (sigmoid only) and `loss_type` ("sigmoid" DPO or "ipo").
     `offload_reference` (GPU only): the frozen reference (no LoRA) waits in CPU memory and comes
     to the GPU for its forward pass, one copy of the weights less on the GPU for a host-to-device
     copy each step."""

@@ -38,9 +38,11 @@ from typing import Callable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from lightning_mcore import rewards as reward_lib
 from lightning_mcore.data.packing import build_row
+from lightning_mcore.generation.batched import SamplingSettings, generate_traced
 from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model import routing_replay
 from lightning_mcore.model.config import GPTConfig
@@ -95,7 +97,11 @@ class RolloutCorrection:
 
 
 class GRPOModule(WithFrozenModel, MegatronModule):
-    """`reward_funcs`: import paths or callables, `reward_weights` (default 1 each);
+    """GRPO reinforcement learning on prompts (PromptDataModule): the model generates a group of
+    completions per prompt, reward functions score them, and each is trained on its reward
+    relative to its group's.
+
+    `reward_funcs`: import paths or callables, `reward_weights` (default 1 each);
     `num_generations` completions per prompt of at most `max_completion_length` tokens, sampled
     as `sampling` says; `beta` (KL to the reference, 0: none, no reference kept); `epsilon_low`,
     `epsilon_high` (the ratio's clip range, DAPO's clip-higher when they differ);
@@ -278,8 +284,6 @@ class GRPOModule(WithFrozenModel, MegatronModule):
     def generate_rollout(self, batch: dict, round_: int = 0) -> Rollout:
         """`num_generations` completions of each prompt of `batch`, scored; `round_` > 0 (dynamic
         sampling's extra generations) draws with another seed."""
-        from lightning_mcore.generation.batched import SamplingSettings, generate_traced
-
         strategy = self._strategy()
         prompt_ids = [list(p) for p in batch["prompt_ids"] for _ in range(self.num_generations)]
         for ids in prompt_ids:
@@ -491,8 +495,6 @@ class GRPOModule(WithFrozenModel, MegatronModule):
         for name, values in series.items():
             values = values.double()
             if dist.is_initialized():
-                from megatron.core import parallel_state
-
                 group = parallel_state.get_data_parallel_group()
                 if dist.get_world_size(group) > 1:
                     values = values.to(self._strategy().root_device)

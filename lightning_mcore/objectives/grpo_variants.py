@@ -18,7 +18,10 @@ from lightning_mcore.objectives.rollout import Rollout
 
 @dataclass
 class OverlongShaping:
-    """`mode` "penalty": a reward of min(0, (max_completion_length - buffer - length) / buffer)
+    """What GRPO does with completions that run to max_completion_length (DAPO's overlong
+    reward shaping): a reward penalty, or no loss.
+
+    `mode` "penalty": a reward of min(0, (max_completion_length - buffer - length) / buffer)
     * factor is added to every completion's (logged as rewards/overlong); "filter": completions
     cut at max_completion_length without a stop token carry no loss (their rewards still count in
     their group's advantages)."""

@@ -26,6 +26,7 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
@@ -56,7 +57,10 @@ def kto_loss(policy: torch.Tensor, reference: torch.Tensor, kl: torch.Tensor, de
 
 
 class KTOModule(DPOModule):
-    """`beta` (> 0), `desirable_weight` and `undesirable_weight` (> 0; trl's advice: keep
+    """KTO (Kahneman-Tversky Optimization) on unpaired desirable and undesirable examples
+    (KTODataModule), against a frozen reference: the model it starts from.
+
+    `beta` (> 0), `desirable_weight` and `undesirable_weight` (> 0; trl's advice: keep
     desirable_weight * desirable examples / (undesirable_weight * undesirable examples) in
     [1, 4/3])."""
 
@@ -86,8 +90,6 @@ class KTOModule(DPOModule):
     def _kl_point(self, batch: dict, reference: torch.Tensor) -> torch.Tensor:
         """z0: the policy's (current weights, no grad) minus the reference's log-probs of the
         mismatched completions, averaged over the global batch, clamped at 0."""
-        from megatron.core import parallel_state
-
         def step(mb, chunk):
             return forward_packed(chunk, mb), lambda out: pair_logps(out, mb).detach()
 

@@ -9,7 +9,8 @@ from lightning_mcore.objectives.loss import masked_token_loss
 
 
 class PretrainModule(MegatronModule):
-    """Batches carry tokens, labels, loss_mask and position_ids, each [micro_batch, seq]."""
+    """Pretraining (PretrainDataModule): next-token loss on the tokens loss_mask keeps.
+    Batches carry tokens, labels, loss_mask and position_ids, each [micro_batch, seq]."""
 
     def forward_step(self, batch: dict, chunk):
         token_losses = chunk(

@@ -41,8 +41,11 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from megatron.core import tensor_parallel
+from transformers import AutoTokenizer
 
 from lightning_mcore import models
+from lightning_mcore.hf.export import export_hf
 from lightning_mcore.hf.load import unwrap
 from lightning_mcore.hf.score_head import reward_weights, seq_cls_config
 from lightning_mcore.lora.config import LoRAConfig
@@ -64,8 +67,6 @@ class ScoreHead(torch.nn.Module):
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
-            from megatron.core import tensor_parallel
-
             hidden = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden, tensor_parallel_output_grad=False)
         return F.linear(hidden, self.weight), None
@@ -180,8 +181,6 @@ class RewardModule(MegatronModule):
                            overwrite: bool = False, lora_experts_layout: Optional[str] = None):
         """Write the model as a Hugging Face `...ForSequenceClassification` directory
         (collective: call on every rank); see MegatronModule.save_hf_checkpoint."""
-        from lightning_mcore.hf.export import export_hf
-
         self.check_hf_export(mode, lora_experts_layout)
         strategy = self._strategy()
         strategy.refuse_nonfinite_weights(f"the HF export {directory}")
@@ -231,7 +230,6 @@ def _tokenizer_pad_id(directory) -> tuple[Optional[int], Optional[int]]:
     without a tokenizer."""
     if directory is None or not (Path(directory) / "tokenizer_config.json").is_file():
         return None, None
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id

@@ -17,6 +17,9 @@ from lightning_mcore.sequence.packing import forward_packed
 
 
 class SFTModule(MegatronModule):
+    """Supervised fine-tuning on chat data (SFTDataModule): next-token loss on the assistant's
+    tokens only, over packed rows whose samples never attend to each other."""
+
     packed_sequences = True
     # forward_packed takes the context-parallel offsets from the sliced microbatch and the loss
     # is a token sum, so packed rows split over cp ranks (strategy._context_parallel_slices).

@@ -31,12 +31,18 @@ from lightning_mcore.strategy.optimizer import OptimizerSettings
 
 @dataclass
 class Freezing:
+    """Which parts of a vision-language model full fine-tuning keeps bitwise unchanged
+    (VisionLanguageSFTModule's `freeze`); not all three, or nothing would train."""
+
     vit: bool = False  # the vision encoder's patch embedding and blocks
     aligner: bool = False  # the merger(s) from vision features to decoder inputs
     llm: bool = False  # the decoder: embeddings, layers, final norm, output layer
 
 
 class VisionLanguageSFTModule(SFTModule):
+    """Supervised fine-tuning of a vision-language model (Qwen2.5-VL, Qwen3-VL) on image and
+    chat data (VisionLanguageDataModule); `freeze` (Freezing) keeps chosen parts unchanged."""
+
     # the images of a row are not split over context-parallel ranks
     packed_context_parallel = False
 

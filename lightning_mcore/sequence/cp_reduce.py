@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 
 def _group():
     """The cp group, or None when there is no context parallelism."""
-    from megatron.core import parallel_state as ps
-
     if not dist.is_initialized() or not ps.model_parallel_is_initialized():
         return None
     if ps.get_context_parallel_world_size() == 1:
@@ -38,6 +37,4 @@ def context_parallel_sum(local: torch.Tensor) -> torch.Tensor:
 
 def context_parallel_first() -> bool:
     """True on the first rank of the cp group (and without context parallelism)."""
-    from megatron.core import parallel_state as ps
-
     return _group() is None or ps.get_context_parallel_rank() == 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
 
 @dataclass
 class _Save:
@@ -32,7 +34,6 @@ class AsyncSaves:
         """Start writing `save` (collective). A None request: it already finished synchronously."""
         if request is None:
             return
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         self._queue = self._queue or AsyncCallsQueue()
         self._queue.schedule_async_request(request)

@@ -28,9 +28,17 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+from megatron.core.optimizer import distrib_optimizer
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_mcore.atomic import replace_dir
 # CheckpointLoadError and load_plain live in safe_files; callers read them from here too.
+from lightning_mcore.lora.config import adapts_experts, resolve_targets, saved_lora
+from lightning_mcore.model.config import GPTConfig
+from lightning_mcore.strategy.optimizer import mcore_parts
 from lightning_mcore.strategy.safe_files import (
     CheckpointLoadError,
     check_extra_state,
@@ -110,7 +118,6 @@ def optimizer_sharded_state_dict(optimizer, model_state: dict, is_loading: bool)
     stubs = _stubs(optimizer)
     if not any(stubs):
         return plain(optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIM_METADATA))
-    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
     out = {}
     for index, (part, stub) in enumerate(zip(optimizer.chained_optimizers, stubs)):
@@ -144,8 +151,6 @@ def load_optimizer_state_dict(optimizer, state: dict) -> None:
 
 
 def rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
     state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -153,8 +158,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -167,8 +170,6 @@ def _results_queue(async_save: bool) -> None:
     unguarded training script starts again inside the save. A synchronous save puts its results
     in this very process (a plain queue; a multiprocessing queue may still look empty right
     after the put); an async save puts them from a child forked after this point."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     filesystem_async._results_queue = mp.get_context("fork").Queue() if async_save else queue.Queue()
 
 
@@ -184,8 +185,6 @@ def save(path: Path, common: dict, chunks, optimizer, rank: int,
     the temporary directory instead. A crash leaves it under its `.tmp-` name, never taken for
     a checkpoint.
     """
-    from megatron.core import dist_checkpointing
-
     _results_queue(options.async_save)
     path = Path(path)
     tmp = temporary_path(path, rank)
@@ -273,8 +272,6 @@ class SavedModel:
 
 
 def read_saved_model(path, name: str = "ckpt_path") -> SavedModel:
-    from lightning_mcore.model.config import GPTConfig
-
     extra = _load_common(Path(path), name).get("megatron", {})
     config = GPTConfig(**extra["model_config"])
     return SavedModel(config, extra.get("hf_family"), extra.get("hf_path"),
@@ -328,8 +325,6 @@ def check_resumed_lora(path, saved, lora, model_config) -> None:
     """Refuse a resume whose LoRA config (`lora`) builds other adapters than the checkpoint's
     (`saved`, its recorded fields): they would miss from it or go untrained. A checkpoint from
     before expert adapters recorded no `experts`: its experts stayed frozen (experts=False)."""
-    from lightning_mcore.lora.config import adapts_experts, resolve_targets, saved_lora
-
     if (saved is None) != (lora is None):
         raise CheckpointLoadError(
             f"ckpt_path {path} was saved {'without' if saved is None else 'with'} LoRA, this run has "
@@ -358,9 +353,6 @@ def check_resumed_lora(path, saved, lora, model_config) -> None:
 def _load_sharded(state: dict, path: Path) -> dict:
     """dist_checkpointing.load, with a damaged shard (every rank learns of any rank's failure)
     reported as a CheckpointLoadError naming the checkpoint."""
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
-
     check_weights(Path(path) / WEIGHTS)
     try:
         return dist_checkpointing.load(state, str(Path(path) / WEIGHTS))
@@ -389,10 +381,6 @@ def load_model(path: Path, chunks) -> None:
 
 
 def load_optimizer(path: Path, chunks, optimizer) -> None:
-    from megatron.core.optimizer import distrib_optimizer
-
-    from lightning_mcore.strategy.optimizer import mcore_parts
-
     parts = mcore_parts(optimizer)
     if not distrib_optimizer.HAVE_APEX_OR_TE and any(
         isinstance(o, distrib_optimizer.DistributedOptimizer) for o in parts

@@ -41,7 +41,12 @@ import contextlib
 import os
 from typing import Iterator
 
+import megatron.core.optimizer as package
 import torch
+from megatron.core import utils
+from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+from megatron.core.tensor_parallel import mappings
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
@@ -177,10 +182,6 @@ class CpuCompat:
         self._install_multi_tensor()
 
     def _install_multi_tensor(self) -> None:
-        import megatron.core.optimizer as package
-        from megatron.core import utils
-        from megatron.core.optimizer import clip_grads, distrib_optimizer
-        from megatron.core.optimizer import optimizer  # the module, not the package
         # (10)
         self._replace(package, "USING_PYTORCH_OPTIMIZER", True)
         self._replace(package, "SGD", torch.optim.SGD)  # Adam follows the flag; SGD is the name
@@ -192,9 +193,6 @@ class CpuCompat:
         self._replace(clip_grads, "multi_tensor_scale_tensor_impl", None)
 
     def _install_moe(self) -> None:
-        from megatron.core.tensor_parallel import mappings
-        from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
         dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
         # (6) the alltoall dispatcher copies split sizes to host on a torch.cuda.Stream, made
         # at construction unless the class already holds one

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
 from lightning_mcore.strategy.parallel import LayoutError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,6 +90,4 @@ def release_captured_graphs() -> None:
     flag that they exist in process globals. A second graphed fit in the same process (a notebook,
     a test session) would otherwise look up the first model's graphs and stop with mcore's
     "no matching cudagraph runners", and the first fit's pool would stay allocated."""
-    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
-
     delete_cuda_graphs()

@@ -27,14 +27,28 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.utilities import distributed as fabric_distributed
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
-from lightning_mcore.strategy import determinism
+from lightning_mcore.lora.adapters import with_expert_tp_grad_sums
+from lightning_mcore.lora.checks import check_lora_plan
+from lightning_mcore.model.config import refuse_longer, to_transformer_config
+from lightning_mcore.sequence.packing import cp_row_length, packed_context_parallel_slice
+from lightning_mcore.strategy import checkpoint_io, determinism
 from lightning_mcore.strategy.async_saves import AsyncSaves
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.cpu import CpuCompat, choose_rank_threads, cuda_on_cpu, use_rank_threads
@@ -47,7 +61,7 @@ from lightning_mcore.strategy.garbage import FrozenAfterFirstStep
 from lightning_mcore.strategy.launcher import MultiprocessingLauncher
 from lightning_mcore.strategy.memory import validate_memory, validate_reference_offload
 from lightning_mcore.strategy.metrics import reduce_metrics
-from lightning_mcore.strategy.nonfinite import host_values
+from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values, refuse_nonfinite_weights
 from lightning_mcore.strategy.optimizer import (
     MegatronOptimizer,
     OptimizerSettings,
@@ -58,10 +72,12 @@ from lightning_mcore.strategy.parallel import (
     BatchConfig,
     LayoutError,
     ParallelConfig,
+    context_parallel_slice,
     resolve_fast_path,
     validate_layout,
 )
 from lightning_mcore.strategy.signals import SignalWatch, StopSignal, hpc_checkpoint_path, requeue_slurm_job
+from lightning_mcore.strategy.teardown import destroy_model_parallel
 
 _PRECISIONS = {
     "32-true": torch.float32,
@@ -71,6 +87,10 @@ _PRECISIONS = {
 
 
 class MegatronStrategy(DDPStrategy):
+    """The Lightning strategy that runs a MegatronModule under Megatron-Core's parallelism
+    (tensor, pipeline, context, expert and data parallel, the distributed optimizer) and writes
+    its distributed checkpoints; each step is one mcore schedule over the microbatches."""
+
     strategy_name = "megatron"
 
     def __init__(
@@ -215,8 +235,6 @@ class MegatronStrategy(DDPStrategy):
         validate_reference_offload(getattr(module, "offload_reference", False),
                                    "cpu" if self.on_cpu else "gpu")
         if getattr(module, "lora", None) is not None and model_config is not None:
-            from lightning_mcore.lora.checks import check_lora_plan
-
             check_lora_plan(module.lora, model_config, self.uses_te(model_config))
         if model_config is not None:  # after LoRA's check, whose refusal names the LoRA fix
             validate_expert_kernel(model_config, self.uses_te(model_config))
@@ -232,13 +250,10 @@ class MegatronStrategy(DDPStrategy):
         creates at once: on one H100 that held 6.1 GiB outside PyTorch's allocator, enough to
         push a 30B-A3B-shaped run into allocator retries (benchmarks/RESULTS.md, session 10).
         Unbound, each communicator opens at its group's first collective."""
-        from lightning.fabric.utilities.distributed import _init_dist_connection
-        from lightning.fabric.utilities.seed import reset_seed
-
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        fabric_distributed._init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
 
     def setup_environment(self) -> None:
         rebuild_thread_pool()  # a forked rank's first backward could find none (strategy/forked.py)
@@ -249,7 +264,6 @@ class MegatronStrategy(DDPStrategy):
                 use_rank_threads()
             self._cpu.install()
         super().setup_environment()  # sets the device, starts torch.distributed
-        from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel(**self.parallel.sizes())
         self._seed_rng()
@@ -257,8 +271,6 @@ class MegatronStrategy(DDPStrategy):
     def _seed_rng(self) -> None:
         """Megatron's seeding: one stream per pipeline stage, plus mcore's per-TP/EP streams
         for dropout inside sharded regions. (Initial weights use their own per-tensor seeds.)"""
-        from megatron.core import parallel_state, tensor_parallel
-
         seed = self.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
         torch.manual_seed(seed)
         # On CPU, mcore's inference tracker keeps no CUDA generator state; dropout then draws
@@ -275,8 +287,6 @@ class MegatronStrategy(DDPStrategy):
 
     @property
     def data_parallel_rank(self) -> int:
-        from megatron.core import parallel_state
-
         return parallel_state.get_data_parallel_rank()
 
     @property
@@ -294,15 +304,11 @@ class MegatronStrategy(DDPStrategy):
 
     @property
     def is_last_pipeline_stage(self) -> bool:
-        from megatron.core import parallel_state
-
         return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
     # ---------------------------------------------------------------- model
     def transformer_config(self, model_config):
         """mcore's TransformerConfig for `model_config` under this layout, dtype and device."""
-        from lightning_mcore.model.config import to_transformer_config
-
         config = to_transformer_config(model_config, self.parallel, self.dtype, self.on_cpu,
                                        self.uses_te(model_config))
         if self.deterministic:
@@ -340,8 +346,6 @@ class MegatronStrategy(DDPStrategy):
 
     def check_sequence_length(self, seq: int, what: str) -> None:
         """Refuse sequences longer than the module's model_config.seq_length."""
-        from lightning_mcore.model.config import refuse_longer
-
         config = getattr(self.lightning_module, "model_config", None)
         if config is not None:
             refuse_longer(seq, config.seq_length, what)
@@ -361,18 +365,14 @@ class MegatronStrategy(DDPStrategy):
         cp = self.parallel.context_parallel_size
         if cp == 1:
             return micro
-        from megatron.core import parallel_state
 
         rank = parallel_state.get_context_parallel_rank()
         if packed:
-            from lightning_mcore.sequence.packing import cp_row_length, packed_context_parallel_slice
-
             self.refuse_packed_context_parallel(self.lightning_module)
             multiple = 2 * cp * (self.parallel.tensor_model_parallel_size
                                  if self.parallel.sequence_parallel else 1)
             length = cp_row_length([mb["segment_ids"] for mb in micro], cp, multiple)
             return [packed_context_parallel_slice(mb, cp, rank, length) for mb in micro]
-        from lightning_mcore.strategy.parallel import context_parallel_slice
 
         return [context_parallel_slice(mb, cp, rank) for mb in micro]
 
@@ -402,9 +402,6 @@ class MegatronStrategy(DDPStrategy):
                       schedule_shape: tuple[int, int], shape: tuple) -> torch.Tensor:
         """mcore's forward-only schedule collecting `collect(output)` of every microbatch on the
         last stage; the concatenation, reshaped to `shape`, is shared with every stage."""
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         def step_fn(data_iterator, model):
             output, collect = forward_step(next(data_iterator), model)
             return output, lambda out, non_loss_data=True: collect(out)
@@ -448,13 +445,6 @@ class MegatronStrategy(DDPStrategy):
         self.model = module
 
     def _wrap_chunks(self, chunks: torch.nn.ModuleList) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.utils import get_model_config
-
         p = self.parallel
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -481,7 +471,6 @@ class MegatronStrategy(DDPStrategy):
             config.param_sync_func = [c.start_param_sync for c in wrapped]
             if len(wrapped) == 1:
                 config.param_sync_func = wrapped[0].start_param_sync
-        from lightning_mcore.lora.adapters import with_expert_tp_grad_sums  # expert-TP LoRA factors
 
         config.finalize_model_grads_func = with_expert_tp_grad_sums(finalize_model_grads)
 
@@ -543,10 +532,6 @@ class MegatronStrategy(DDPStrategy):
         forward step sends each [micro_batch, seq] microbatch through the model as one THD row
         of micro_batch * seq tokens (sequence/packing.py), which sets the pipeline's tensor shape.
         """
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-
         if not forward_only:
             self.check_training_rows(next(iter(batch.values())).shape[0])
         config = getattr(self.lightning_module, "model_config", None)
@@ -594,8 +579,6 @@ class MegatronStrategy(DDPStrategy):
 
     def _share_from_last_stage(self, metrics: dict) -> dict:
         """Give every rank the last pipeline stage's metrics (rank 0 logs and draws the bar)."""
-        from megatron.core import parallel_state
-
         if self.parallel.pipeline_model_parallel_size == 1:
             return metrics
         payload = [{k: float(v) for k, v in metrics.items()}]  # one sync per metric: PP > 1 only
@@ -658,8 +641,6 @@ class MegatronStrategy(DDPStrategy):
         return {}  # likewise
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
-        from lightning_mcore.strategy import checkpoint_io
-
         module = self.lightning_module
         self.refuse_nonfinite_weights(f"checkpoint {filepath}")
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -690,8 +671,6 @@ class MegatronStrategy(DDPStrategy):
         """Raise NonFiniteError rather than write `what` from NaN/inf weights, or from weights a
         NaN/inf update reached (on_nonfinite="stop_after_update"; every rank knows alike), which
         may still look finite (collective)."""
-        from lightning_mcore.strategy.nonfinite import NonFiniteError, refuse_nonfinite_weights
-
         if any(getattr(o, "applied_nonfinite", False) for o in self.optimizers):
             raise NonFiniteError(f"refusing to write {what}: a step's NaN/inf update reached the "
                                  f"weights (on_nonfinite='stop_after_update'). Resume from the last "
@@ -719,8 +698,6 @@ class MegatronStrategy(DDPStrategy):
                 self._async_saves.finalize(blocking=blocking)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
-        from lightning_mcore.strategy import checkpoint_io
-
         self._loading_path = Path(checkpoint_path)
         module = self.lightning_module
         common = checkpoint_io.read_resumed(self._loading_path, module.model_config,
@@ -729,8 +706,6 @@ class MegatronStrategy(DDPStrategy):
         return {**common, "state_dict": {}, "optimizer_states": [{}]}
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        from lightning_mcore.strategy import checkpoint_io
-
         with self.mcore_context():
             checkpoint_io.load_model(self._loading_path, list(self.lightning_module.chunks))
         checkpoint_io.load_rng(self._loading_path, self.global_rank)
@@ -752,8 +727,6 @@ class MegatronStrategy(DDPStrategy):
                            f"which differ from the checkpoint's: {'; '.join(changes)}.")
 
     def _load_optimizer_shards(self, optimizer: MegatronOptimizer) -> None:
-        from lightning_mcore.strategy import checkpoint_io
-
         with self.mcore_context():
             checkpoint_io.load_optimizer(self._loading_path, list(self.lightning_module.chunks),
                                          optimizer.optimizer)
@@ -766,10 +739,6 @@ class MegatronStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- teardown
     def teardown(self) -> None:
-        from megatron.core import parallel_state
-
-        from lightning_mcore.strategy.teardown import destroy_model_parallel
-
         self._finish_async_saves()
         self._signals.uninstall()
         if self._signal_group is not None:

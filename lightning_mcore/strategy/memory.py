@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from lightning_mcore.model import te
 from lightning_mcore.strategy.parallel import LayoutError, ParallelConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -183,9 +184,7 @@ def validate_optimizer_offload(settings: "OptimizerSettings", parallel: Parallel
             "cpu_offload=True needs use_distributed_optimizer=True (mcore's offload runs inside "
             "the distributed optimizer): set it, or leave it unset (on by default on GPU).",
             optim=("cpu_offload",), options=("use_distributed_optimizer",))
-    from lightning_mcore.model.config import te_available
-
-    if not te_available():
+    if not te.te_available():
         raise MemoryOptionError(
             "cpu_offload=True needs Transformer Engine installed: mcore runs the offloaded "
             "optimizer on its precision-aware path, which reads TE's version. Install "
@@ -208,9 +207,7 @@ def validate_precision_aware(settings: "OptimizerSettings", parallel: ParallelCo
             "precision_aware=True needs use_distributed_optimizer=True (mcore's precision-aware "
             "path is the distributed optimizer's): set it, or leave it unset (on by default on GPU).",
             optim=fields, options=("use_distributed_optimizer",))
-    from lightning_mcore.model.config import te_available
-
-    if not te_available():
+    if not te.te_available():
         raise MemoryOptionError(
             "precision_aware=True needs Transformer Engine installed (its FusedAdam holds the "
             "master weights): install transformer_engine[pytorch], or leave precision_aware unset.",

@@ -20,7 +20,12 @@ from typing import Callable, Literal, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.optimizer import ProxyDict
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from lightning_mcore.model import te
 from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values_later, step_message
 
 
@@ -87,16 +92,12 @@ def uses_precision_aware(settings: OptimizerSettings, parallel, dtype: torch.dty
         return settings.precision_aware
     if settings.cpu_offload:
         return True
-    from lightning_mcore.model.config import te_available
-
     return (on_gpu and settings.optimizer == "adam" and bool(parallel.use_distributed_optimizer)
-            and dtype == torch.bfloat16 and te_available())
+            and dtype == torch.bfloat16 and te.te_available())
 
 
 def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype, on_gpu: bool = False):
     """mcore's OptimizerConfig for these settings under this layout and dtype."""
-    from megatron.core.optimizer import OptimizerConfig
-
     # Megatron-LM's training asserts the precision-aware path with offload: the hybrid optimizer
     # reuses it (decoupled grads, fp32 main weights). mcore skips its TE check then.
     placement = dict(use_precision_aware_optimizer=uses_precision_aware(settings, parallel, dtype, on_gpu))
@@ -127,14 +128,10 @@ def optimizer_config(settings: OptimizerSettings, parallel, dtype: torch.dtype, 
 
 def build_megatron_optimizer(chunks, settings: OptimizerSettings, parallel, dtype: torch.dtype,
                              on_gpu: bool):
-    from megatron.core.optimizer import get_megatron_optimizer
-
     return get_megatron_optimizer(optimizer_config(settings, parallel, dtype, on_gpu), list(chunks))
 
 
 def build_lr_scheduler(optimizer, settings: OptimizerSettings, max_steps: int):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     decay = settings.decay_steps or max(max_steps, settings.warmup_steps + 1)
     return OptimizerParamScheduler(
         optimizer,
@@ -217,7 +214,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
         if chained and any(getattr(o, "is_stub_optimizer", False) for o in chained):
             # mcore chains a stub (no torch optimizer) for a group without trainable
             # parameters, e.g. the dense one when LoRA adapts MoE experts only.
-            from megatron.core.optimizer.optimizer import ProxyDict
 
             return ProxyDict([{} if getattr(o, "is_stub_optimizer", False) else o.state for o in chained])
         return self.optimizer.state
@@ -302,8 +298,6 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self._update = "applied" if applied else "apply"
 
     def _clip(self, grad_norm) -> None:
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         with self._compat():
             for part in self.parts:
                 if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 
 class CheckpointLoadError(ValueError):
@@ -127,8 +128,6 @@ def _signature(file: Path) -> tuple:
 
 @functools.lru_cache(maxsize=16)
 def _check_weights(weights: Path, _files: tuple) -> None:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     if (weights / "common.pt").is_file():
         load_plain(weights / "common.pt")
     index = weights / ".metadata"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 
 def destroy_model_parallel() -> None:
@@ -10,8 +11,6 @@ def destroy_model_parallel() -> None:
     data-parallel groups and several global-rank lists). A process that forks ranks afterwards
     (an export in a notebook, then fit) would hand them the destroyed groups, and their group
     creation would wait forever."""
-    from megatron.core import parallel_state
-
     parallel_state.destroy_model_parallel()
     for name, value in vars(parallel_state).items():
         if name.startswith("_") and name.isupper() and (
