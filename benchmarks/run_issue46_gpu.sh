@@ -5,6 +5,8 @@
 #   grpo  make the Qwen3-30B-A3B-shaped 8-layer model, then GRPO + LoRA at EP=1 (DP=2), r3, with
 #         fp32 logits and without
 #   profile  a torch.profiler table of the second rollout (decode steps from CUDA graphs)
+#   speed the rollout ratio in one call: GRPO at EP=1 (r3, the defaults), then transformers' eager
+#         `generate` of the same rows on one GPU
 #   grpo_fp32  the same GRPO in fp32 (r3, 64 new tokens, eager decode): the mismatch without bf16
 #         (not run yet)
 #   grpo_ep2  the same at EP=2 (r3); then transformers' generate of the rollout shape on one GPU
@@ -31,6 +33,10 @@ case $stage in
   profile)
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 \
       --fp32-logits on --steps 2 --profile "$OUT/${TAG}_rollout_profile.txt" 2>&1 | log ;;
+  speed)
+    [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 --steps 3 2>&1 | log
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-eager --rows 64 2>&1 | log ;;
   grpo_fp32)  # fp32 (eager decode: torch's grouped GEMM is not captured in fp32), r3
     [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 \
