@@ -40,3 +40,18 @@ def pytest_collection_modifyitems(config, items):
 def _each_test_starts_clean():
     with leaves_no_process_state():
         yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed multi-rank test (gpu, distributed) is printed at once: its ranks may still wait in
+    a collective, and the teardown above (destroying the process group) then hangs until a
+    timeout kills pytest before its summary, taking the failure's message with it (twice on GPU,
+    benchmarks/RESULTS.md sessions 24 and 25)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed and ({"gpu", "distributed"} & set(item.keywords)):
+        terminal = item.config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None:
+            terminal.write_line(f"\nFAILED {item.nodeid} (printed before its teardown)\n{report.longreprtext}")
+            terminal.flush()
