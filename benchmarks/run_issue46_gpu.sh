@@ -19,34 +19,39 @@ OUT=${OUT:-.}
 TAG=${TAG:-s25}
 stage=$1
 MODEL=/tmp/moe_a3b_8l
+made_model() {  # the 8-layer Qwen3-30B-A3B-shaped checkpoint, made once per machine
+  [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
+}
 log() { tee -a "$OUT/${TAG}_$stage.log" | grep '^RESULT' | sed 's/^RESULT //' >> "$OUT/${TAG}_$stage.jsonl"; }
 case $stage in
   test)
     timeout 450 python -m pytest -p no:cacheprovider -m gpu -rA tests/test_generation.py tests/test_fp32_logits.py \
       > "$OUT/${TAG}_test.log" 2>&1; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/${TAG}_test.log" ;;
   grpo)  # EP=1 (DP=2, decode CUDA graphs), replay r3, fp32 logits on and off
-    [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
+    made_model
     for logits in on off; do
       CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 \
         --fp32-logits $logits --steps 3 2>&1 | log
     done ;;
   profile)
+    made_model
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 \
       --fp32-logits on --steps 2 --profile "$OUT/${TAG}_rollout_profile.txt" 2>&1 | log ;;
   speed)
-    [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
+    made_model
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 --steps 3 2>&1 | log
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-eager --rows 64 2>&1 | log ;;
   grpo_fp32)  # fp32 (eager decode: torch's grouped GEMM is not captured in fp32), r3
-    [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
+    made_model
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 1 --replay r3 \
       --precision 32-true --new 64 --steps 2 2>&1 | log ;;
   grpo_ep2)  # EP=2 (eager decode; mcore's all-to-all since generation's dispatcher serves EP=1 only), r3;
              # then transformers eager
-    [ -f $MODEL/config.json ] || python benchmarks/bench_moe_grpo.py make --out $MODEL --layers 8 2>&1 | tail -2
+    made_model
     CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model $MODEL --ep 2 --replay r3 --steps 3 2>&1 | log
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-eager --rows 64 2>&1 | log ;;
   hf)
+    made_model
     CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model $MODEL --impl hf-static --rows 64 2>&1 | log ;;
   8b)
     [ -f /tmp/llama8b/config.json ] || python benchmarks/hf_load_8b.py make --out /tmp/llama8b 2>&1 | tail -1
