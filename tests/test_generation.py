@@ -5,7 +5,11 @@ own greedy `generate`; seeded sampling is reproducible and the same at TP=1 and 
 tokens end a completion; too-long requests are refused."""
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -13,6 +17,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from hf_models import make_hf_model
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning_mcore import MegatronStrategy, PretrainModule
 from lightning_mcore.generation import decode_graphs
 from lightning_mcore.generation.batched import SamplingSettings, choose_tokens, generate_batch
@@ -245,6 +251,34 @@ def test_kv_cache_generation_on_gpu_with_transformer_engine(tmp_path):
     assert got["greedy"] == hf_greedy(hf)
 
 
+@pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_decode_cuda_graphs_at_tp2_on_gpu(tmp_path):
+    """At TP=2 (TE, fp32) the decode steps are captured with the row-parallel all-reduces and the
+    logits' all-gather inside: greedy tokens as without a cache, as eager decoding and as
+    transformers; seeded sampling reproducible; both ranks the same. With the graphs' memory
+    budget spent after one capture, the later positions decode eagerly with the same tokens. Under torchrun (a rank
+    started by Lightning from pytest would rerun pytest, with its own tmp_path)."""
+    source = tmp_path / "llama"
+    hf = make_hf_model("llama", source)
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    str(here / "gpu_decode_tp2_script.py"), str(source), str(tmp_path)],
+                   env=env, check=True, timeout=300)
+    got = [json.loads((tmp_path / f"tp2.rank{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1], "ranks disagree"
+    check_one_layout(got[0])
+    assert got[0]["graphs"] >= NEW - 1  # captured, not the eager fallback
+    assert got[0]["greedy"] == hf_greedy(hf)
+    # the graphs' memory budget spent by the first capture: the rest eager, the same tokens
+    budget = [json.loads((tmp_path / f"budget.rank{r}.json").read_text()) for r in range(2)]
+    assert budget[0] == budget[1], "ranks disagree"
+    assert budget[0]["graphs"] == 1
+    assert budget[0]["greedy"] == got[0]["reference"][:2]
+
+
 class OutputPositions(L.Callback):
     """The positions (rows of [seq, batch, hidden]) of each forward that reach the output layer
     while the batch's prompts are generated."""
@@ -325,3 +359,15 @@ def test_moe_decode_steps_replay_cuda_graphs_on_gpu(devices, parallel, tmp_path)
     assert got["eager"] == got["greedy"] == got["predicted"]
     assert got["seed1"] == got["seed1_again"] != got["seed2"]
     assert got["routing_as_eager"]
+
+
+def test_strategy_teardown_releases_kept_decode_graphs():
+    """The kept graphs (and their caches) go with the strategy's teardown, before its process
+    groups: a live graph with TP collectives inside makes destroy_process_group hang at exit."""
+    chunk = torch.nn.Linear(2, 2)
+    decode_graphs.decode_graphs(chunk, 4, 10, 30, 4096, lambda capacity: object())
+    assert chunk in decode_graphs._KEPT
+    strategy = MegatronStrategy(global_batch_size=1, cluster_environment=LightningEnvironment())
+    strategy.accelerator = CPUAccelerator()
+    strategy.teardown()
+    assert chunk not in decode_graphs._KEPT

@@ -36,6 +36,9 @@ class SamplingSettings:
     # GPU: decode steps replay CUDA graphs kept between calls with the same number of prompts
     # (generation/decode_graphs.py); their KV cache then stays allocated between calls
     cuda_graphs: bool = True
+    # of the GPU's memory, what the kept graphs may hold; later positions decode eagerly. At TP>1
+    # each position's graph keeps its collectives' tensors (the 8B recipe at TP=2, 64 rows: ~57 MiB)
+    graph_memory_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -46,6 +49,9 @@ class SamplingSettings:
                              f"(use greedy=True for argmax).")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingSettings: top_p must be in (0, 1], got {self.top_p!r}.")
+        if not 0 <= self.graph_memory_fraction <= 1:
+            raise ValueError(f"SamplingSettings: graph_memory_fraction must be in [0, 1], got "
+                             f"{self.graph_memory_fraction!r}.")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"SamplingSettings: top_k must be an int >= 0 (0: off), got {self.top_k!r}.")
 
@@ -192,7 +198,8 @@ def generate_columns(strategy, chunks, prompts: list[list[int]], cfg, sampling: 
     record = routing_replay.recording(chunks) if routing else contextlib.nullcontext()
 
     with record as recorder, next_token_logits(strategy, chunks, cfg, rows, total, sampling.cuda_graphs,
-                                               inputs, recording=routing) as forward:
+                                               inputs, recording=routing,
+                                               graph_memory_fraction=sampling.graph_memory_fraction) as forward:
 
         def step(column: torch.Tensor) -> torch.Tensor:
             logits = forward(column)

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (GPU, TP=1 and PP=1).
+"""Decode steps replayed from CUDA graphs (GPU, PP=1; at TP>1 with the TP collectives inside).
 
 An eager decode step of a 1B Llama shape costs ~35 ms of host time on an H100 (the mcore and TE
 modules' Python), against ~2 ms for the same kernels replayed from a CUDA graph (measured, see
@@ -20,8 +20,8 @@ MoE layers are captured where generation dispatches their tokens without the hos
 (model/generation_dispatcher.py: one expert-parallel rank, torch's grouped experts, expert-TP 1,
 dropless), in bf16: in fp32 torch's grouped GEMM copies its offsets to the host, the capture
 fails and those steps run eagerly, with a warning. Left eager: other
-MoE layers (the all-to-all dispatcher copies token counts to the host), pipeline and tensor
-parallelism (see graphs_unavailable).
+MoE layers (the all-to-all dispatcher copies token counts to the host) and pipeline parallelism
+(see graphs_unavailable).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import contextlib
 import weakref
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from lightning_mcore.lora.adapters import adapters_of
@@ -45,11 +46,6 @@ def graphs_unavailable(strategy, cfg, chunks) -> str:
         return "not on a GPU"
     if strategy.parallel.pipeline_model_parallel_size > 1:
         return "pipeline parallelism (each step crosses stages through the schedule)"
-    if strategy.parallel.tensor_model_parallel_size > 1:
-        # not shown to work: TP=2 captures failed on 2x H200 twice (first: hung in capture;
-        # session 25, with thread-local capture: tests/test_generation.py's TP=2 decode failed and
-        # its ranks hung, the message not recovered); decode eagerly until a GPU run passes
-        return "tensor parallelism (graphs with the TP collectives inside failed on GPU)"
     if cfg.num_moe_experts and not all(getattr(m, "generation_dispatcher", None) is not None
                                        for c in chunks for m in c.modules() if isinstance(m, MoELayer)):
         return ("MoE layers whose tokens generation cannot dispatch without the host (expert "
@@ -59,8 +55,17 @@ def graphs_unavailable(strategy, cfg, chunks) -> str:
     return ""
 
 
+def release() -> None:
+    """Drop every kept graph and its cache. The strategy calls this before its process groups go:
+    a live graph holding NCCL collectives (TP>1) makes destroy_process_group hang at exit
+    (pytorch/pytorch#115388; seen at TP=2 on 2x H200)."""
+    if _KEPT and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # no replay still running on what is freed
+    _KEPT.clear()
+
+
 def decode_graphs(chunk, rows: int, vocab: int, length: int, longest: int,
-                  new_context) -> "DecodeGraphs":
+                  new_context, memory_fraction: float = 1.0) -> "DecodeGraphs":
     """The kept DecodeGraphs of this chunk for `rows` rows and sequences of `length` positions,
     made (with `new_context(capacity)`, an inference context with its buffers) when there is
     none for that row count or its cache is too short. The capacity is `length` rounded up to a
@@ -71,6 +76,7 @@ def decode_graphs(chunk, rows: int, vocab: int, length: int, longest: int,
         _KEPT.pop(chunk, None)  # free the old cache before allocating the new one
         capacity = min(longest, 1 << max(length - 1, 1).bit_length())
         kept = _KEPT[chunk] = DecodeGraphs(chunk, rows, vocab, capacity, new_context(capacity))
+    kept.memory_fraction = memory_fraction
     return kept
 
 
@@ -88,6 +94,15 @@ class DecodeGraphs:
         self.pool = None  # one memory pool for all: the graphs never run concurrently
         self.warm = False
         self.failed = ""  # why a capture failed: the steps then run eagerly
+        # Memory the captures took (the device's used bytes, NCCL's included). At TP>1 a graph keeps
+        # the tensors of its collectives allocated for its life (~57 MiB a position for the 8B recipe's
+        # 64 rows at TP=2 on 2x H200; none at TP=1): positions past `memory_fraction` of the GPU decode
+        # eagerly, as the TP group agrees (its ranks decode the same positions).
+        self.held = 0
+        self.memory_fraction = 1.0
+        self.tp_group = (parallel_state.get_tensor_model_parallel_group()
+                         if parallel_state.model_parallel_is_initialized()
+                         and parallel_state.get_tensor_model_parallel_world_size() > 1 else None)
 
     def adapters_state(self) -> tuple:
         """The LoRA adapters' Python switches, which a graph bakes in (fixed during a call)."""
@@ -111,6 +126,17 @@ class DecodeGraphs:
             for router in self.routers:
                 router.router_replay.clear_static_buffer()
 
+    def replayable(self, position: int, adapters_state: tuple, recording: bool = False) -> bool:
+        """Whether this step has a graph or may capture one: its captures so far hold less than
+        memory_fraction of the GPU, on every rank of the TP group."""
+        if (position, adapters_state, recording) in self.graphs:
+            return True
+        total = torch.cuda.get_device_properties(self.tokens.device).total_memory
+        full = torch.tensor([float(self.held >= self.memory_fraction * total)], device=self.tokens.device)
+        if self.tp_group is not None:
+            torch.distributed.all_reduce(full, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+        return not bool(full.item())
+
     def step(self, columns: torch.Tensor, position: int, adapters_state: tuple,
              recording: bool = False) -> torch.Tensor:
         """Logits [rows, vocab] after appending `columns` [rows, 1] at `position` (the prefill
@@ -123,8 +149,10 @@ class DecodeGraphs:
         graph = self.graphs.get(key)
         if graph is None:
             try:
+                free_before = torch.cuda.mem_get_info(self.tokens.device)[0]
                 with self._recording_into_buffers(recording):
                     graph = self.graphs[key] = self._capture(position)
+                self.held += free_before - torch.cuda.mem_get_info(self.tokens.device)[0]
             except RuntimeError as err:  # an op of some model that cannot be captured
                 self.failed = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 raise

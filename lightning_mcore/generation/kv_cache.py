@@ -46,13 +46,14 @@ class TokenColumns:
 
 @contextlib.contextmanager
 def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool = False,
-                      inputs=None, recording: bool = False):
+                      inputs=None, recording: bool = False, graph_memory_fraction: float = 1.0):
     """A CachedForward, with the chunks in eval mode (mcore reads the inference context only
     there; no dropout) and sequence parallelism off (as mcore's own engine does: a one-token
     step cannot be split over tensor-parallel ranks); both restored after. `cuda_graphs`: decode
     steps replay kept CUDA graphs where generation/decode_graphs.py can (else eager). `inputs`: what
     each step feeds the model (default TokenColumns; another runs without graphs). `recording`:
-    the routers record their choices (model/routing_replay.py), in graphs too (graph_routing)."""
+    the routers record their choices (model/routing_replay.py), in graphs too (graph_routing).
+    `graph_memory_fraction`: of the GPU's memory, what the kept graphs may hold (then eager)."""
     training = [c.training for c in chunks]
     sequence_parallel = strategy.parallel.sequence_parallel
     try:
@@ -61,7 +62,7 @@ def next_token_logits(strategy, chunks, cfg, rows: int, max_length: int, cuda_gr
             if sequence_parallel:
                 set_model_to_sequence_parallel(unwrap_model(c), False)
         yield CachedForward(strategy, chunks, cfg, rows, max_length, cuda_graphs and inputs is None,
-                            inputs or TokenColumns(), recording)
+                            inputs or TokenColumns(), recording, graph_memory_fraction)
     finally:
         for c, mode in zip(chunks, training):
             c.train(mode)
@@ -88,7 +89,7 @@ def new_context(chunk, rows: int, max_length: int, device):
 
 class CachedForward:
     def __init__(self, strategy, chunks, cfg, rows: int, max_length: int, cuda_graphs: bool,
-                 inputs: TokenColumns, recording: bool = False) -> None:
+                 inputs: TokenColumns, recording: bool = False, graph_memory_fraction: float = 1.0) -> None:
         self.strategy, self.chunks, self.cfg, self.rows = strategy, list(chunks), cfg, rows
         self.inputs, self.recording = inputs, recording
         device = strategy.root_device
@@ -98,7 +99,7 @@ class CachedForward:
             (chunk,) = self.chunks
             self.graphs = decode_graphs.decode_graphs(
                 chunk, rows, cfg.vocab_size, max_length, cfg.seq_length,
-                lambda capacity: new_context(chunk, rows, capacity, device))
+                lambda capacity: new_context(chunk, rows, capacity, device), graph_memory_fraction)
             self.contexts = [self.graphs.context]
             self.adapters_state = self.graphs.adapters_state()
         else:
@@ -115,7 +116,8 @@ class CachedForward:
         n = columns.shape[1]
         if self.length and n != 1:
             raise ValueError("CachedForward: after the prefill, append one column per call.")
-        if self.length and self.graphs is not None and not self.graphs.failed:
+        if (self.length and self.graphs is not None and not self.graphs.failed
+                and self.graphs.replayable(self.length, self.adapters_state, self.recording)):
             try:
                 with ic.inference_mode(), reproducible_attention.unfused_attention(self.reproducible):
                     logits = self.graphs.step(columns, self.length, self.adapters_state, self.recording)

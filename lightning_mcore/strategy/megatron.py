@@ -44,6 +44,7 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from lightning_mcore.generation import decode_graphs
 from lightning_mcore.lora.adapters import with_expert_tp_grad_sums
 from lightning_mcore.lora.checks import check_lora_plan
 from lightning_mcore.model.config import refuse_longer, to_transformer_config
@@ -748,6 +749,7 @@ class MegatronStrategy(DDPStrategy):
         if self._graph_shape is not None:  # a graphed step ran (or began): its captures go
             release_captured_graphs()
             self._graph_shape = None
+        decode_graphs.release()  # before the process groups their collectives use
         if parallel_state.model_parallel_is_initialized():
             destroy_model_parallel()
         super().teardown()
