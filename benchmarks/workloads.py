@@ -205,8 +205,8 @@ WORKLOADS = (
     ),
     Workload(
         name="grpo-moe-mismatch",
-        what="the same GRPO run (EP=1, bf16): mean |log-prob of training - log-prob of the rollout| over "
-             "completion tokens, with routing replay r3 against without; steps 2-3",
+        what="GRPO as in grpo-moe-rollout (EP=1, bf16, session 24's runs): mean |training's log-prob - the "
+             "rollout's| over completion tokens, routing replay r3 against off; steps 2-3",
         device=H200, gpus=2, versions=f"{KIT}, transformers 5.17", unit="mean |Δ log-prob|",
         setup=f"python benchmarks/bench_moe_grpo.py make --out {_MOE_MODEL} --layers 8",
         ours=Side("replay r3", f"{_GRPO} --replay r3",
