@@ -50,6 +50,8 @@ def test_committed_table_is_the_regeneration(tmp_path):
         proc = run_shown(argv, root)
         assert proc.returncode == 0, (argv, proc.stdout, proc.stderr)
     assert (root / "benchmarks" / "RESULTS.md").read_text() == (BENCH / "RESULTS.md").read_text()
+    check = [argv for argv in shown_commands() if "--check" in argv]
+    assert check and run_shown(check[0], ROOT).returncode == 0  # and on the checkout's own page
 
 
 def test_a_stale_table_fails_the_check_and_is_rewritten(tmp_path):
