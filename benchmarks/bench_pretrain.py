@@ -8,7 +8,7 @@ mcore loop, or HF transformers, on the same model shape and the same batches.
 raw and lightning share the TransformerConfig (lightning_mcore.model.config), mcore's GPTModel
 with the Transformer Engine spec, mcore DDP + distributed optimizer with overlapped grad
 reduce, and the schedule from get_forward_backward_func; raw has no Lightning in the loop.
-benchmarks/compare.py runs the cases of issue 9 and prints ratios. Prints one `RESULT {json}`
+benchmarks/compare.py runs the named workloads (workloads.py) and prints ratios. Prints one `RESULT {json}`
 line (rank 0): tokens/s/GPU, MFU, peak memory, mean step time (and per-step losses on request).
 """
 

@@ -1,7 +1,7 @@
 """GPTConfig.cuda_graphs (issue 20): the parts reach mcore's TransformerConfig
 (cuda_graph_modules), every combination mcore would assert on inside each rank (or fail at capture)
 is refused before launch naming the key, and a batch of another shape is refused once graphs are
-captured. On GPU the capture itself is measured by benchmarks/compare.py --cases moe-1gpu."""
+captured. On GPU the capture itself is measured by benchmarks/bench_pretrain.py --cuda-graphs."""
 
 from __future__ import annotations
 

@@ -109,6 +109,7 @@ READ_BY = {
     ("hf-families.md", "Adding a family"): "test_readme_examples.py",
     ("pretraining.md", "Data"): "test_data_indexed.py",
     ("parallelism.md", "Several nodes: torchrun and SLURM"): "test_readme_multinode.py",
+    ("testing.md", "Benchmark results"): "test_results_table.py",
 }
 # Python blocks with placeholders (a model path, `...`): checked by test_illustrations_call_real_api.
 ILLUSTRATIONS = {

@@ -1,0 +1,228 @@
+"""The named workloads: the rows of the table at the top of benchmarks/RESULTS.md, each with the
+command that reproduces it and where its latest raw measurement lies. benchmarks/compare.py runs
+the ones built from bench_pretrain.py runs (`--cases NAME`); benchmarks/results_table.py reads
+every one's raw lines and writes the table.
+
+A row's raw lines keep the case and label names of the call that measured them (the `where` of a
+Reading), which may be older than the workload's own name."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Run:
+    """One implementation's bench_pretrain.py run (under torchrun) in a compare.py workload."""
+
+    gpus: int
+    label: str
+    args: str
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Which raw lines hold a side's number: the files (under benchmarks/results/), the lines
+    whose fields equal `where`'s values (a tuple: any of them; "label" is compared without a
+    repeat's "#N"), and the field read from each."""
+
+    files: tuple[str, ...]
+    metric: str
+    where: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a comparison: what it is, the command that measures it, and its lines."""
+
+    name: str
+    command: str
+    reading: Reading
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A goal an issue set: `metric` ("ratio", or a field of our side's lines) at least (or, with
+    higher_is_better False, at most) `bound`; unit "x", "%" (a fraction shown in percent) or ""."""
+
+    issue: int
+    text: str
+    metric: str
+    bound: float
+    unit: str = "x"
+    higher_is_better: bool = True
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A row of the table. `paired`: our k-th line and the baseline's k-th were measured one
+    after the other (interleaved repeats), so the ratio is the median of the pairs' ratios;
+    otherwise it is the ratio of the two medians. `drop_paused`: runs (or pairs) in which Python's
+    collector paused a rank for 100 ms or more in the timed steps are left out, as the notes do."""
+
+    name: str
+    what: str
+    device: str  # as the raw lines' "device" names it
+    gpus: int
+    versions: str
+    unit: str
+    ours: Side
+    baseline: Side | None = None
+    goals: tuple[Goal, ...] = ()
+    setup: str = ""  # a command to run once before the sides' commands
+    runs: tuple[Run, ...] = ()  # compare.py's runs, when the sides' command is compare.py
+    paired: bool = False
+    drop_paused: bool = False
+
+    @property
+    def commands(self) -> tuple[str, ...]:
+        """The commands that reproduce the row, in order (each once)."""
+        found = [self.setup, self.ours.command, self.baseline.command if self.baseline else ""]
+        return tuple(dict.fromkeys(c for c in found if c))
+
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+KIT = "torch 2.11.0+cu130, megatron-core 0.19.2, Transformer Engine 2.20.2"
+TOKENS = "tokens_per_s_per_gpu"
+
+# bench_pretrain.py's arguments: mcore's permute and router fusions; the small MoE at EP=2; 4 layers
+# of Qwen3-30B-A3B's layer shape on one GPU; 8 of them at EP=2
+_FUSED = "--set moe_permute_fusion=true --set moe_router_fusion=true"
+_MOE2 = f"--shape qwen3-moe-small --ep 2 --mbs 4 --gbs 8 {_FUSED} --experts torch --steps 16 --warmup 6"
+_MOE30B = f"--shape qwen3-30b-a3b --layers 4 --gbs 8 --mbs 4 {_FUSED} --experts torch --steps 14 --warmup 6"
+_MOE30B_EP2 = (f"--shape qwen3-30b-a3b --layers 8 --ep 2 --gbs 8 --steps 14 --warmup 6 --mbs 4 {_FUSED} "
+               "--experts torch")
+_VLM = "/tmp/vl7b"
+_MOE_MODEL = "/tmp/moe_a3b_8l"
+_GRPO = f"CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model {_MOE_MODEL} --ep 1 --steps 3"
+
+
+def _compare(name: str, repeat: int = 1) -> str:
+    return f"python benchmarks/compare.py --cases {name}" + (f" --repeat {repeat}" if repeat > 1 else "")
+
+
+def _pretrain(name: str, label: str, files: tuple[str, ...], case: str, command: str) -> Side:
+    """A bench_pretrain.py side: tokens/s per GPU of the lines of `case`'s run `label`."""
+    return Side(name, command, Reading(files, TOKENS, {"case": case, "label": label}))
+
+
+WORKLOADS = (
+    Workload(
+        name="dense-1b-hf",
+        what="1.2B Llama shape (untied), seq 4096, global batch 8, micro batch 4, against HF transformers "
+             "compiled at its best in the same precision (fp32 master weights + bf16 autocast)",
+        device=H100, gpus=1, versions=f"{KIT}, transformers 5.17.0", unit="tokens/s/GPU",
+        ours=_pretrain("lightning-mcore", "lightning", ("2026-11-23/issue20_1b-profile_1b-levers.jsonl",),
+                       "1b-levers", _compare("dense-1b-hf")),
+        baseline=_pretrain("HF compiled, amp, micro batch 4", "hf-compile-mbs4",
+                           ("2026-11-23/issue20_hf-sweep.jsonl",), "hf-sweep", _compare("dense-1b-hf")),
+        goals=(Goal(20, "≥ 1.4× HF's best compiled", "ratio", 1.4),
+               Goal(20, "MFU ≥ 60%", "mfu", 0.60, unit="%")),
+        runs=(Run(1, "lightning", "--impl lightning --mbs 4"), Run(1, "hf-compile-mbs4", "--impl hf-compile --mbs 4")),
+    ),
+    Workload(
+        name="dense-1b-raw",
+        what="1.2B Llama shape (untied), seq 4096, global batch 8, micro batch 4, against mcore's own "
+             "training loop on the same model and batches",
+        device=H100, gpus=1, versions=f"{KIT}, lightning 2.6.6", unit="tokens/s/GPU",
+        ours=_pretrain("lightning-mcore", "lightning", ("2026-11-21/h100_a.jsonl",), "1b", _compare("dense-1b-raw")),
+        baseline=_pretrain("raw mcore", "raw", ("2026-11-21/h100_a.jsonl",), "1b", _compare("dense-1b-raw")),
+        goals=(Goal(9, "≥ 0.98× raw mcore", "ratio", 0.98),),
+        runs=(Run(1, "raw", "--impl raw --mbs 4"), Run(1, "lightning", "--impl lightning --mbs 4")),
+    ),
+    Workload(
+        name="moe-ep2",
+        what="12 layers of a small Qwen3-MoE (64 experts, top-8), EP=2, global batch 8, micro batch 4, "
+             "torch's experts, permute and router fusions; 5 interleaved pairs",
+        device=H200, gpus=2, versions=KIT, unit="tokens/s/GPU",
+        ours=_pretrain("lightning-mcore", "lightning-mbs4-fused-torch", ("2026-11-24/issue20_s11_ep2_pairs.jsonl",),
+                       "moe-ep2-pairs", _compare("moe-ep2", 5)),
+        baseline=_pretrain("raw mcore", "raw-mbs4-fused-torch", ("2026-11-24/issue20_s11_ep2_pairs.jsonl",),
+                           "moe-ep2-pairs", _compare("moe-ep2", 5)),
+        goals=(Goal(20, "≥ 0.98× raw mcore", "ratio", 0.98),),
+        runs=tuple(Run(2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE2}") for impl in ("raw", "lightning")),
+        paired=True, drop_paused=True,
+    ),
+    Workload(
+        name="moe30b-ep2",
+        what="8 layers of Qwen3-30B-A3B's layer shape (128 experts, 64 per GPU), EP=2, global batch 8, "
+             "micro batch 4, torch's experts, the fusions",
+        device=H200, gpus=2, versions=KIT, unit="tokens/s/GPU",
+        ours=_pretrain("lightning-mcore", "lightning-mbs4-fused-torch", ("2026-11-24/issue20_s11_moe30b_ep2.jsonl",),
+                       "moe30b-ep2", _compare("moe30b-ep2")),
+        baseline=_pretrain("raw mcore", "raw-mbs4-fused-torch", ("2026-11-24/issue20_s11_moe30b_ep2.jsonl",),
+                           "moe30b-ep2", _compare("moe30b-ep2")),
+        goals=(Goal(20, "MFU ≥ 30%", "mfu", 0.30, unit="%"), Goal(20, "≥ 0.98× raw mcore", "ratio", 0.98)),
+        runs=tuple(Run(2, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE30B_EP2}") for impl in ("raw", "lightning")),
+    ),
+    Workload(
+        name="moe30b-1gpu",
+        what="4 layers of Qwen3-30B-A3B's layer shape on one GPU, global batch 8, micro batch 4, torch's "
+             "experts, the fusions, the default check before the update; 5 interleaved pairs",
+        device=H100, gpus=1, versions=f"{KIT}, lightning 2.6.6", unit="tokens/s/GPU",
+        ours=_pretrain("lightning-mcore", "lightning-mbs4-fused-torch",
+                       ("2026-11-24/issue20_s15_moe30b_default_pairs.jsonl",
+                        "2026-11-24/issue20_s15_moe30b_default_pair5.jsonl"),
+                       "moe30b-1gpu-wait", _compare("moe30b-1gpu", 5)),
+        baseline=_pretrain("raw mcore", "raw-mbs4-fused-torch",
+                           ("2026-11-24/issue20_s15_moe30b_default_pairs.jsonl",
+                            "2026-11-24/issue20_s15_moe30b_default_pair5.jsonl"),
+                           "moe30b-1gpu-wait", _compare("moe30b-1gpu", 5)),
+        goals=(Goal(20, "≥ 0.98× raw mcore", "ratio", 0.98),),
+        runs=tuple(Run(1, f"{impl}-mbs4-fused-torch", f"--impl {impl} {_MOE30B}") for impl in ("raw", "lightning")),
+        paired=True, drop_paused=True,
+    ),
+    Workload(
+        name="vlm-7b-lora-tp2",
+        what="Qwen2.5-VL-7B shape, LoRA r16 on the decoder, 1,022-token samples with one 392x392 image, 16 "
+             "per step; ours TP=2 + SP on 2 GPUs (4 samples packed per row), HF + peft on one GPU",
+        device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0", unit="tokens/s/GPU",
+        setup=f"python benchmarks/bench_vlm_sft.py make --out {_VLM}",
+        ours=Side("lightning-mcore, TP=2", f"torchrun --standalone --nproc-per-node 2 benchmarks/bench_vlm_sft.py "
+                                           f"ours --model {_VLM} --tp 2",
+                  Reading(("2026-11-24/issue24_vlm_tp2_h200x2.jsonl",), TOKENS, {"impl": "ours", "full": False})),
+        baseline=Side("HF + peft compiled, micro batch 4, 1 GPU",
+                      f"python benchmarks/bench_vlm_sft.py hf --model {_VLM} --micro-batch 4 --compile",
+                      Reading(("2026-11-24/issue24_vlm_tp2_h200x2.jsonl",), TOKENS, {"impl": "hf-compile"})),
+        goals=(Goal(47, "per GPU ≥ HF + peft on one GPU", "ratio", 1.0),),
+    ),
+    Workload(
+        name="grpo-moe-rollout",
+        what="GRPO rollouts of 8 layers of Qwen3-30B-A3B's layer shape, LoRA r8 on all linears, EP=1 and "
+             "DP=2, decode steps as CUDA graphs, routing replay r3; 64 completions of 256 tokens per GPU; "
+             "steps 2-3 (step 1 captures the graphs)",
+        device=H200, gpus=2, versions=f"{KIT}, transformers 5.17", unit="rollout tokens/s/GPU",
+        setup=f"python benchmarks/bench_moe_grpo.py make --out {_MOE_MODEL} --layers 8",
+        ours=Side("lightning-mcore", f"{_GRPO} --replay r3 --fp32-logits off",
+                  Reading(("2026-11-28/s25_grpo.jsonl",), "rollout_tokens_per_s",
+                          {"replay": "r3", "fp32_logits": False, "step": (2, 3)})),
+        baseline=Side("transformers eager generate, 64 rows, 1 GPU",
+                      f"CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model {_MOE_MODEL} "
+                      "--impl hf-eager --rows 64",
+                      Reading(("2026-11-28/s24_grpo_ep2.jsonl",), "tokens_per_s", {"impl": "hf-eager"})),
+        goals=(Goal(46, "≥ 3× transformers' best", "ratio", 3.0),),
+    ),
+    Workload(
+        name="grpo-moe-mismatch",
+        what="GRPO as in grpo-moe-rollout (EP=1, bf16, session 24's runs): mean |training's log-prob - the "
+             "rollout's| over completion tokens, routing replay r3 against off; steps 2-3",
+        device=H200, gpus=2, versions=f"{KIT}, transformers 5.17", unit="mean |Δ log-prob|",
+        setup=f"python benchmarks/bench_moe_grpo.py make --out {_MOE_MODEL} --layers 8",
+        ours=Side("replay r3", f"{_GRPO} --replay r3",
+                  Reading(("2026-11-28/s24_grpo.jsonl",), "rollout_logp_diff", {"replay": "r3", "step": (2, 3)})),
+        baseline=Side("replay off", f"{_GRPO} --replay off",
+                      Reading(("2026-11-28/s24_grpo.jsonl",), "rollout_logp_diff", {"replay": "off", "step": (2, 3)})),
+        goals=(Goal(46, "≤ 1e-3 with replay", "rollout_logp_diff", 1e-3, unit="", higher_is_better=False),),
+    ),
+    Workload(
+        name="grpo-8b-recipe",
+        what="configs/grpo_8b_lora.yaml at TP=2 on a random Llama-3.1-8B-shaped checkpoint: 64 completions "
+             "of up to 1,024 tokens a step, 2 steps; completion tokens/s of the TP pair",
+        device=H200, gpus=2, versions=f"{KIT}, lightning 2.6.6", unit="completion tokens/s of the 2 GPUs",
+        ours=Side("lightning-mcore", "OUT=. TAG=s25 bash benchmarks/run_issue46_gpu.sh 8b",
+                  Reading(("2026-11-28/s25_8b_metrics.csv",), "train/rollout_tokens_per_s")),
+    ),
+)
+
+BY_NAME = {w.name: w for w in WORKLOADS}
