@@ -194,13 +194,15 @@ WORKLOADS = (
              "steps 2-3 (step 1 captures the graphs)",
         device=H200, gpus=2, versions=f"{KIT}, transformers 5.17", unit="rollout tokens/s/GPU",
         setup=f"python benchmarks/bench_moe_grpo.py make --out {_MOE_MODEL} --layers 8",
-        ours=Side("lightning-mcore", f"{_GRPO} --replay r3 --fp32-logits off",
-                  Reading(("2026-11-28/s25_grpo.jsonl",), "rollout_tokens_per_s",
-                          {"replay": "r3", "fp32_logits": False, "step": (2, 3)})),
-        baseline=Side("transformers eager generate, 64 rows, 1 GPU",
+        ours=Side("lightning-mcore", f"{_GRPO} --replay r3",
+                  Reading(("2026-11-28/s26_speed.jsonl",), "rollout_tokens_per_s",
+                          {"bench": "moe_grpo", "replay": "r3", "step": (2, 3)})),
+        # transformers' best of the same call's machine: eager (2,301) beat the static cache compiled
+        # (1,995, s26_hf.jsonl), as in sessions 23-24
+        baseline=Side("transformers eager generate (its best), 64 rows, 1 GPU",
                       f"CUDA_VISIBLE_DEVICES=0 python benchmarks/bench_moe_grpo.py hf --model {_MOE_MODEL} "
                       "--impl hf-eager --rows 64",
-                      Reading(("2026-11-28/s24_grpo_ep2.jsonl",), "tokens_per_s", {"impl": "hf-eager"})),
+                      Reading(("2026-11-28/s26_speed.jsonl",), "tokens_per_s", {"impl": "hf-eager"})),
         goals=(Goal(46, "≥ 3× transformers' best", "ratio", 3.0),),
     ),
     Workload(
@@ -218,10 +220,16 @@ WORKLOADS = (
     Workload(
         name="grpo-8b-recipe",
         what="configs/grpo_8b_lora.yaml at TP=2 on a random Llama-3.1-8B-shaped checkpoint: 64 completions "
-             "of up to 1,024 tokens a step, 2 steps; completion tokens/s of the TP pair",
+             "of up to 1,024 tokens a step, decode steps as CUDA graphs (all 1,024 positions: the run "
+             "predates graph_memory_fraction); step 2 (step 1 captures the graphs); completion tokens/s "
+             "of the TP pair",
         device=H200, gpus=2, versions=f"{KIT}, lightning 2.6.6", unit="completion tokens/s of the 2 GPUs",
-        ours=Side("lightning-mcore", "OUT=. TAG=s25 bash benchmarks/run_issue46_gpu.sh 8b",
-                  Reading(("2026-11-28/s25_8b_metrics.csv",), "train/rollout_tokens_per_s")),
+        ours=Side("lightning-mcore", "OUT=. TAG=s26 bash benchmarks/run_issue46_gpu.sh 8b",
+                  Reading(("2026-11-28/s26_8b_metrics.csv",), "train/rollout_tokens_per_s", {"step": 1})),
+        # the same recipe decoding eagerly (session 25, before TP>1 graphs)
+        baseline=Side("the same, eager decode steps (session 25)",
+                      "OUT=. TAG=s25 bash benchmarks/run_issue46_gpu.sh 8b",
+                      Reading(("2026-11-28/s25_8b_metrics.csv",), "train/rollout_tokens_per_s", {"step": 1})),
     ),
 )
 
