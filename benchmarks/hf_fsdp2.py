@@ -110,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data", default="random", choices=["random", "sft"],
                     help="random: bench_pretrain's rows; sft: bench_lora_sft's rows of one sample each")
     ap.add_argument("--profile-dir", default=None, help="torch.profiler tables of steps 10-12, rank{N}.txt")
-    ap.add_argument("--dump", default=None, help="(tests) rank 0 saves initial and final full weights here")
+    ap.add_argument("--dump", default=None,
+                    help="(tests) rank 0 saves the whole initial weights, first gradients and final weights here")
     args = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
@@ -238,9 +239,11 @@ def make_loader(args, vocab: int, world: int, rank: int, cuda: bool) -> DataLoad
                       num_workers=2 if cuda else 0, pin_memory=cuda)
 
 
-def train(model, opt, loader, steps: int, mbs: int, timer, device, world: int) -> list[float]:
+def train(model, opt, loader, steps: int, mbs: int, timer, device, world: int,
+          first_grads: Optional[dict] = None) -> list[float]:
     """`steps` optimizer steps over this rank's rows in micro batches of `mbs`; returns the global
-    batch's mean token loss per step (all ranks)."""
+    batch's mean token loss per step (all ranks). `first_grads` (a dict): filled with the first
+    step's whole gradients, before clipping (tests)."""
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
     for step, batch in enumerate(loader):
@@ -259,6 +262,8 @@ def train(model, opt, loader, steps: int, mbs: int, timer, device, world: int) -
                          shift_labels=labels[mb], num_items_in_batch=tokens).loss
             (loss * world).backward()
             step_loss += loss.detach()
+        if first_grads is not None and step == 0:
+            first_grads.update(full_state(model, grads=True))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         timer.stop()
@@ -268,10 +273,11 @@ def train(model, opt, loader, steps: int, mbs: int, timer, device, world: int) -
     return total.tolist()
 
 
-def full_state(model) -> dict:
-    """Every parameter whole, on the CPU (a collective: all ranks call it)."""
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-            for n, p in model.named_parameters()}
+def full_state(model, grads: bool = False) -> dict:
+    """Every parameter (or the gradient of every trainable one) whole, on the CPU (a collective:
+    all ranks call it)."""
+    tensors = {n: p.grad if grads else p for n, p in model.named_parameters() if p.requires_grad or not grads}
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone() for n, t in tensors.items()}
 
 
 def hf_settings(model, s: FsdpSettings, shape: dict, graphs: Optional[dict]) -> dict:
@@ -307,13 +313,14 @@ def run_one(args, shape: dict, mbs: int, device: torch.device, mesh, world: int)
     timer = StepTimer(profile=bool(args.profile_dir)) if cuda else WallTimer()
     timer.warmup = args.warmup
     before = dynamo_counts()
+    grads = {} if args.dump else None
     losses = train(model, opt, make_loader(args, shape["vocab_size"], world, dist.get_rank(), cuda), args.steps, mbs,
-                   timer, device, world)
+                   timer, device, world, grads)
     graphs = {k: v - before[k] for k, v in dynamo_counts().items()} if s.compile else None
     if args.dump:
         end = full_state(model)
         if dist.get_rank() == 0:
-            torch.save({"init": init, "end": end, "losses": losses}, args.dump)
+            torch.save({"init": init, "first_grads": grads, "end": end, "losses": losses}, args.dump)
     per_rank = None
     if cuda:
         per_rank = [None] * world
