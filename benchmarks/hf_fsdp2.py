@@ -25,7 +25,9 @@ bench_pretrain.py (full fine-tuning) and bench_lora_sft.py (LoRA, `--data sft`: 
   3-D parameters since transformers 5 (Qwen3MoeExperts.gate_up_proj [E, 2I, H], down_proj [E, H, I]), not
   nn.Linear: peft (0.21) adapts them through `target_parameters` (its ParamWrapper), a rank-r adapter
   per expert on gate_up_proj and on down_proj, as ours on each expert's fc1 and fc2. peft applies them by
-  materialising W + scale * B A for all experts (nn.utils.parametrize) at every forward. Named as
+  materialising W + scale * B A for all experts (a baddbmm, through nn.utils.parametrize) at every forward,
+  which torch.compile cannot trace (on CPU, torch 2.13: under --ac the layer's graph breaks and runs eager;
+  without, 8 graphs a layer), so the MoE LoRA runs are eager. Named as
   gate/up/down_proj in target_modules, peft would itself move them to target_parameters, with rank 2r on
   gate_up_proj (the two v4 adapters fused), so the MoE runs name the parameters. The router stays frozen;
 - AdamW (fused), lr 1e-4, betas 0.9/0.95, weight decay 0.01 except 1-D, gradient clipping at 1.0
