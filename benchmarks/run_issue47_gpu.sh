@@ -8,7 +8,8 @@
 # sample, loss on the second half).
 #
 #   sweep30     HF + FSDP2, L30 (16) layers of Qwen3-30B-A3B, full FT: compiled and checkpointed at micro
-#               batch 1, 2, 4 (one process, ends at the first OOM), then compiled without checkpointing at 1
+#               batch 1, 2, 4 (one process, ends at the first OOM), then compiled without checkpointing at 1,
+#               then eager and checkpointed at 2 (what compilation buys)
 #   pair30      ours at EP=NGPU (micro batch 2, permute and router fusions, torch's grouped GEMM) and HF at the
 #               sweep's fastest settings (HF30 to choose them), interleaved: ours, hf, ours, hf
 #   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled at 1; compiled and checkpointed at 2, 4; eager at 1
@@ -110,7 +111,8 @@ PAIR="--steps 10 --warmup 4"
 case $stage in
   sweep30)
     hf sweep 200 $A30 $SWEEP --compile --ac --mbs "$(mbs_list 1 2 4)"
-    hf sweep 150 $A30 $SWEEP --compile --mbs 1 ;;
+    hf sweep 150 $A30 $SWEEP --compile --mbs 1
+    hf sweep 120 $A30 $SWEEP --ac --mbs "$(biggest 2)" ;;
   pair30)
     HF30=${HF30:-$(best sweep30 "--mbs $(biggest 2) --ac --compile")}
     for k in 1 2; do
