@@ -424,7 +424,8 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
     return timer
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked (also what run_issue47_gpu.sh's dry run parses)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=["raw", "lightning", "hf-eager", "hf-compile"], required=True)
     ap.add_argument("--shape", default="llama-1.2b", choices=sorted(SHAPES))
@@ -491,8 +492,7 @@ def main() -> None:
                     help="raw and lightning: mcore keeps its own fp32 master copies (not TE's FusedAdam)")
     ap.add_argument("--no-wgrad-fusion", action="store_true",
                     help="raw only: TE layers return bf16 weight grads that DDP adds to main_grad")
-    args = ap.parse_args()
-    pinned = pin_cpus() if args.pin_cpus else None
+    args = ap.parse_args(argv)
     if args.no_wgrad_fusion and args.impl != "raw":
         ap.error("--no-wgrad-fusion applies to --impl raw only (lightning-mcore always fuses with TE)")
     if args.init_device_context and args.impl != "raw":
@@ -505,7 +505,16 @@ def main() -> None:
         ap.error("--check-after-update applies to --impl lightning only")
     if args.free_running and args.impl.startswith("hf"):
         ap.error("--free-running applies to --impl raw and lightning")
+    if args.fp8_amax and args.fp8 != "delayed":
+        ap.error("--fp8-amax needs --fp8 delayed")
+    if args.recompute_block is not None and args.recompute != "full":
+        ap.error("--recompute-block needs --recompute full")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
+    pinned = pin_cpus() if args.pin_cpus else None
     world = int(os.environ.get("WORLD_SIZE", 1))
     shape = dict(SHAPES[args.shape])
     if args.layers:
@@ -520,13 +529,8 @@ def main() -> None:
         shape["vocab_size"] = meta.get("vocab_trained", meta["vocab_size"])
     extra = {}
     if args.fp8_amax:
-        if args.fp8 != "delayed":
-            ap.error("--fp8-amax needs --fp8 delayed")
         length, algo = args.fp8_amax.split(":")
         extra = {"fp8_amax_history_len": int(length), "fp8_amax_compute_algo": algo}
-    if args.recompute_block is not None:
-        if args.recompute != "full":
-            ap.error("--recompute-block needs --recompute full")
     if args.moe_capacity is not None:
         extra.update(moe_expert_capacity_factor=args.moe_capacity, moe_pad_expert_input_to_capacity=True)
     for item in args.set:

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# Issue 47 part 1: lightning-mcore against transformers' own model under FSDP2 (benchmarks/hf_fsdp2.py, the
+# accelerate/trl path; its settings are in each of its RESULT lines' "hf"), on NGPU GPUs of one H200 machine
+# (2; NGPU=4 for 4), one stage per call. A stage keeps within the device's 600 s command limit: each command
+# runs under `timeout` for what is left of BUDGET (570 s), and one that would get less than it needs is skipped
+# (said in the log). Both sides: global batch 8, sequence 4096, bf16 compute with fp32 master weights, fp32
+# gradients and fp32 AdamW state (LoRA: a bf16 frozen base), random tokens (LoRA: bench_lora_sft's rows of one
+# sample, loss on the second half).
+#
+#   sweep30     HF + FSDP2, L30 (16) layers of Qwen3-30B-A3B, full FT: compiled and checkpointed at micro
+#               batch 1, 2, 4 (one process, ends at the first OOM), then compiled without checkpointing at 1,
+#               then eager and checkpointed at 2 (what compilation buys)
+#   pair30      ours at EP=NGPU (micro batch 2, permute and router fusions, torch's grouped GEMM) and HF at the
+#               sweep's fastest settings (HF30 to choose them), interleaved: ours, hf, ours, hf
+#   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled at 1; compiled and checkpointed at 2, 4; eager at 1
+#   pair8b      ours TP=2 + SP, ours DP=NGPU (distributed optimizer), HF at the sweep's best (HF8B), interleaved
+#   sweeplora8b HF + FSDP2 + peft, LoRA r16 (alpha 32) on every linear, Llama-3-8B: compiled at 1, 2, 4;
+#               compiled and checkpointed at 4
+#   pairlora8b  ours (bench_lora_sft.py, DP=NGPU, micro batch 1) and HF at the sweep's best (HFLORA8B), twice
+#   sweeplora30 the same on LORA30 (24) layers of Qwen3-30B-A3B, the experts' adapters through peft's
+#               target_parameters: eager at 1, 2, 4; checkpointed at 4 (peft's parametrized experts break the
+#               compiled graph: hf_fsdp2.py's docstring)
+#   pairlora30  ours (EP=NGPU) and HF at the sweep's best (HFLORA30), twice
+#   profile CASE  CASE = 30b, 8b, lora8b or lora30: torch.profiler tables of steps 10-12, one file per rank,
+#               in $OUT/${TAG}_profile_CASE/{hf,ours}/rank{N}.txt (ours for the full-FT cases only)
+# A pair stage without its sweep's file uses the settings written below as fallbacks (the memory estimate's
+# choice), so the pairs can run first when time is short. Raw lines (each RESULT with its "label") go to
+# $OUT/${TAG}_<stage>.jsonl, logs to $OUT/${TAG}_<stage>.log; a pair stage ends with its ratios
+# (benchmarks/issue47_summary.py). Before the first stage: bash .gpu/kit/install.sh && source .gpu/kit/env.sh.
+# DRY_RUN=FILE: each command's GPU count, script and arguments go to FILE instead of running
+# (tests/test_run_issue47_gpu.py parses them on CPU).
+#
+# Memory on 2x H200 (torch sees 139 GiB each; ~8 GiB left for the CUDA context, NCCL and fragmentation):
+# - Qwen3-30B-A3B, per layer: attention 18.9M + router 0.26M + 128 experts x 3 x 2048 x 768 = 604.0M ->
+#   623.1M parameters; embedding + LM head 2 x 151936 x 2048 = 622.3M.
+# - HF + FSDP2, full FT: fp32 weight + grad + AdamW m, v = 16 B/param, sharded over 2 = 8 B/param per GPU:
+#   4.64 GiB per layer, 4.64 GiB for embedding and head. Transients ~6 GiB: two layers gathered in bf16 (the
+#   one running and the prefetched, 2.3), one layer's bf16 gradients and their fp32 copy to reduce-scatter
+#   (3.5). The loss: logits of micro batch x 4096 x 151936 in bf16, an fp32 copy and its fp32 gradient, ~6 GiB
+#   per row. Activations: ~1 GiB per layer per row without checkpointing; with it 16 MiB per layer per row
+#   plus one layer's recompute. 16 layers: 79 GiB of state; micro batch 1 without checkpointing 79 + 6 + 6 +
+#   16 = 107 GiB; checkpointed at 1, 2, 4: ~92, ~98, ~111 GiB. 20 layers: +19 GiB (110 at 1, 130 at 4: the
+#   sweep's top end would not fit); 24 layers: 116 GiB of state alone (no).
+# - Ours at EP=2: experts (302M per layer per GPU, expert data-parallel size 1) at 18 B/param (bf16 2, fp32
+#   grad 4, fp32 master 4, m and v 8), the dense rest (19.2M per layer, 622M) at 2 + 4 + 12 / 2 (distributed
+#   optimizer over DP=2) = 12 B/param: 5.27 GiB per layer + 7 GiB. Activations ~0.75 GiB per layer per row
+#   (the 8-layer micro-batch-4 run peaked at 73.5 GiB: RESULTS.md, session 11). 16 layers at micro batch 2:
+#   84 + 7 + 24 = 115 GiB. So L30 = 16 is the depth both fit with room for HF's sweep; at 20, ours would
+#   need micro batch 1 (112 GiB) and HF checkpointing at 1-2.
+# - Llama-3-8B (8.03B): HF + FSDP2 8 B/param per GPU = 60 GiB; micro batch 1 without checkpointing +26
+#   (~0.8 GiB per layer per row) +5 (loss) = 91 GiB; checkpointed at 4: 60 + 4 + 20 = 84 GiB. Ours TP=2: 77
+#   GiB measured (session 4); DP=2: bf16 2 + fp32 grad 4 + 12 / 2 = 12 B/param = 90 GiB + 17 (activations,
+#   micro batch 1) + 3 (loss) = 110 GiB.
+# - LoRA, a bf16 base: HF shards it (2 B/param over 2 GPUs: 24 layers of 30B-A3B, 15.6B, 14.5 GiB); peft
+#   materialises each layer's W + scale B A for its experts (1.1 GiB bf16), kept for backward without
+#   checkpointing (26 GiB over 24 layers), plus ~1 GiB per layer per row. Ours at EP=2: experts sharded,
+#   the rest replicated, ~15.6 GiB + 0.75 GiB per layer per row (34 GiB at micro batch 1). 8B: HF 7.5 GiB,
+#   ours 15 GiB, plus activations.
+set -uo pipefail
+OUT=${OUT:-.}
+TAG=${TAG:-s26}
+NGPU=${NGPU:-2}
+GBS=8
+L30=${L30:-16}
+LORA30=${LORA30:-24}
+BUDGET=${BUDGET:-570}
+stage=${1:?stage}
+case_=${2:-}
+name=$stage${case_:+_$case_}
+LOG=$OUT/${TAG}_$name.log
+JSONL=$OUT/${TAG}_$name.jsonl
+deadline=$((SECONDS + BUDGET))
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+OURS_ENV="CUDA_DEVICE_MAX_CONNECTIONS=1"  # mcore's TP/SP overlap needs one hardware queue
+HF_ENV="CUDA_DEVICE_MAX_CONNECTIONS=8"    # FSDP2 overlaps its all-gathers and reduce-scatters on their own streams
+
+mbs_list() {  # the micro batches among $* that divide each rank's rows (GBS / NGPU)
+  local rows=$((GBS / NGPU)) out=""
+  for m in "$@"; do [ $((rows % m)) -eq 0 ] && out=$out${out:+,}$m; done
+  echo "$out"
+}
+biggest() {  # the largest of 1, 2, 4 up to $1 that divides each rank's rows
+  local m; for m in 4 2 1; do [ "$m" -le "$1" ] && [ $((GBS / NGPU % m)) -eq 0 ] && { echo $m; return; }; done
+}
+
+run() {  # label, environment, seconds it needs at least, script, its arguments
+  local label=$1 envs=$2 need=$3 script=$4; shift 4
+  if [ -n "${DRY_RUN:-}" ]; then echo "$NGPU $script $*" >> "$DRY_RUN"; return; fi
+  local left=$((deadline - SECONDS))
+  if [ $left -lt "$need" ]; then echo "skipped $label: $left s left, it needs $need" | tee -a "$LOG"; return; fi
+  echo "== $label ($left s left): $script $*" >> "$LOG"
+  env $envs timeout -k 15 $((left - 15)) torchrun --standalone --nproc-per-node "$NGPU" "benchmarks/$script" "$@" 2>&1 \
+    | tee -a "$LOG" | grep '^RESULT' | sed "s/^RESULT {/{\"label\": \"$label\", /" >> "$JSONL"
+}
+hf() { local label=$1 need=$2; shift 2; run "$label" "$HF_ENV" "$need" hf_fsdp2.py "$@"; }
+ours() { local label=$1 need=$2 script=$3; shift 3; run "$label" "$OURS_ENV" "$need" "$script" "$@"; }
+best() {  # the sweep stage's fastest HF settings, or the fallback
+  [ -n "${DRY_RUN:-}" ] && { echo "$2"; return; }
+  python benchmarks/issue47_summary.py best "$OUT/${TAG}_$1.jsonl" --fallback "$2"
+}
+ratios() { [ -z "${DRY_RUN:-}" ] && python benchmarks/issue47_summary.py ratios "$JSONL" --ours "$1" --hf hf | tee -a "$LOG"; }
+
+A30="--shape qwen3-30b-a3b --layers $L30 --gbs $GBS"
+A8B="--shape llama-8b --gbs $GBS"
+LORA="--lora-rank 16 --lora-alpha 32 --data sft"
+OURS30="--impl lightning $A30 --ep $NGPU --mbs $(biggest 2) --set moe_permute_fusion=true --set moe_router_fusion=true --experts torch"
+OURS_LORA="--rank 16 --alpha 32 --samples-per-row 1 --gbs $GBS --steps 10"
+SWEEP="--steps 8 --warmup 3"
+PAIR="--steps 10 --warmup 4"
+
+case $stage in
+  sweep30)
+    hf sweep 200 $A30 $SWEEP --compile --ac --mbs "$(mbs_list 1 2 4)"
+    hf sweep 150 $A30 $SWEEP --compile --mbs 1
+    hf sweep 120 $A30 $SWEEP --ac --mbs "$(biggest 2)" ;;
+  pair30)
+    HF30=${HF30:-$(best sweep30 "--mbs $(biggest 2) --ac --compile")}
+    for k in 1 2; do
+      ours "ours-ep$NGPU#$k" 90 bench_pretrain.py $OURS30 $PAIR
+      hf "hf#$k" 120 $A30 $PAIR $HF30
+    done
+    ratios "ours-ep$NGPU" ;;
+  sweep8b)
+    hf sweep 120 $A8B $SWEEP --compile --mbs 1
+    hf sweep 150 $A8B $SWEEP --compile --ac --mbs "$(mbs_list 2 4)"
+    hf sweep 90 $A8B $SWEEP --mbs 1 ;;
+  pair8b)
+    HF8B=${HF8B:-$(best sweep8b "--mbs 1 --compile")}
+    for k in 1 2; do
+      ours "ours-tp2#$k" 90 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 $PAIR
+      ours "ours-dp$NGPU#$k" 90 bench_pretrain.py --impl lightning $A8B --mbs 1 $PAIR
+      hf "hf#$k" 100 $A8B $PAIR $HF8B
+    done
+    ratios ours-tp2; ratios "ours-dp$NGPU" ;;
+  sweeplora8b)
+    hf sweep 150 $A8B $LORA $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
+    hf sweep 100 $A8B $LORA $SWEEP --compile --ac --mbs "$(biggest 4)" ;;
+  pairlora8b)
+    HFLORA8B=${HFLORA8B:-$(best sweeplora8b "--mbs $(biggest 2) --compile")}
+    for k in 1 2; do
+      ours "ours-dp$NGPU#$k" 80 bench_lora_sft.py --shape llama-8b $OURS_LORA
+      hf "hf#$k" 100 $A8B $LORA $PAIR $HFLORA8B
+    done
+    ratios "ours-dp$NGPU" ;;
+  sweeplora30)
+    hf sweep 200 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --mbs "$(mbs_list 1 2 4)"
+    hf sweep 120 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --ac --mbs "$(biggest 4)" ;;
+  pairlora30)
+    HFLORA30=${HFLORA30:-$(best sweeplora30 "--mbs 1 --ac")}
+    for k in 1 2; do
+      ours "ours-ep$NGPU#$k" 100 bench_lora_sft.py --shape qwen3-30b-a3b --layers "$LORA30" --ep "$NGPU" $OURS_LORA
+      hf "hf#$k" 150 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $PAIR $HFLORA30
+    done
+    ratios "ours-ep$NGPU" ;;
+  profile)  # steps 10-12 of each side (rank files under $OUT/${TAG}_profile_CASE/)
+    P="--steps 13 --warmup 10"
+    dir=$OUT/${TAG}_profile_$case_
+    case $case_ in
+      30b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py $OURS30 $P --profile
+           hf hf 150 $A30 $P $(best sweep30 "--mbs $(biggest 2) --ac --compile") --profile-dir "$dir/hf" ;;
+      8b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 \
+            $P --profile
+          hf hf 150 $A8B $P $(best sweep8b "--mbs 1 --compile") --profile-dir "$dir/hf" ;;
+      lora8b) hf hf 150 $A8B $LORA $P $(best sweeplora8b "--mbs $(biggest 2) --compile") --profile-dir "$dir/hf" ;;
+      lora30) hf hf 200 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $P \
+                $(best sweeplora30 "--mbs 1 --ac") --profile-dir "$dir/hf" ;;
+      *) echo "profile needs a case: 30b, 8b, lora8b or lora30"; exit 2 ;;
+    esac ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
+[ -n "${DRY_RUN:-}" ] && exit 0
+cat "$JSONL" 2>/dev/null | cut -c1-400; grep -i "error\|Traceback" "$LOG" 2>/dev/null | tail -5

@@ -1,0 +1,77 @@
+"""benchmarks/run_issue47_gpu.sh, issue 47's GPU session script, dry-run on CPU: every command of every
+stage parses with its script's own argument parser, on 2 GPUs and on 4, and in each pair stage both
+sides run the same shape, depth, global batch, sequence length and data; issue47_summary.py picks the
+sweep's fastest finished run and divides the pairs' throughputs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark scripts import each other by name
+import bench_lora_sft  # noqa: E402
+import bench_pretrain  # noqa: E402
+import hf_fsdp2  # noqa: E402
+import issue47_summary  # noqa: E402
+
+STAGES = ["sweep30", "pair30", "sweep8b", "pair8b", "sweeplora8b", "pairlora8b", "sweeplora30", "pairlora30",
+          "profile 30b", "profile 8b", "profile lora8b", "profile lora30"]
+PARSERS = {"hf_fsdp2.py": hf_fsdp2.parse_args, "bench_pretrain.py": bench_pretrain.parse_args,
+           "bench_lora_sft.py": bench_lora_sft.parse_args}
+
+
+def dry_run(stage: str, gpus: int, tmp_path: Path) -> list[tuple[str, object]]:
+    """The stage's commands as (script, parsed arguments)."""
+    listing = tmp_path / f"{stage.replace(' ', '_')}_{gpus}.txt"
+    env = {**os.environ, "DRY_RUN": str(listing), "NGPU": str(gpus), "OUT": str(tmp_path)}
+    done = subprocess.run(["bash", "benchmarks/run_issue47_gpu.sh", *stage.split()], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    commands = []
+    for line in listing.read_text().splitlines():
+        n, script, *argv = line.split()
+        assert int(n) == gpus
+        with mock.patch.dict(os.environ, {"WORLD_SIZE": n}):
+            commands.append((script, PARSERS[script](argv)))  # an argparse error exits 2: the test fails
+    return commands
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_every_command_parses_and_pairs_match(gpus, tmp_path):
+    for stage in STAGES:
+        commands = dry_run(stage, gpus, tmp_path)
+        assert commands, stage
+        hf = [a for s, a in commands if s == "hf_fsdp2.py"]
+        ours = [(s, a) for s, a in commands if s != "hf_fsdp2.py"]
+        assert hf, stage
+        for args in hf:
+            assert args.precision == "mixed" and args.gbs == 8 and args.seq == 4096, stage
+            assert (args.lora_rank is not None) == ("lora" in stage) == (args.data == "sft"), stage
+        for script, args in ours:
+            layers = args.layers or bench_pretrain.SHAPES[args.shape]["num_layers"]
+            assert {(a.shape, a.layers or layers, a.gbs, a.seq) for a in hf} == {(args.shape, layers, args.gbs, args.seq)}
+            if script == "bench_lora_sft.py":  # LoRA: same rank and scale, rows of one sample as HF's sft data
+                assert args.samples_per_row == 1 and all(a.lora_rank == args.rank == 16 for a in hf)
+                assert all(a.lora_alpha == args.alpha for a in hf)
+            else:
+                assert "lora" not in stage and args.impl == "lightning"
+                assert (args.ep == gpus) == (args.shape == "qwen3-30b-a3b")
+
+
+def test_summary_picks_the_fastest_run_and_divides_pairs():
+    sweep = [{"impl": "hf-fsdp2", "mbs": 1, "tokens_per_s_per_gpu": 900,
+              "hf": {"ac": False, "compile": True, "reshard_after_forward": True}},
+             {"impl": "hf-fsdp2", "mbs": 4, "oom": True, "hf": {}},
+             {"impl": "hf-fsdp2", "mbs": 2, "tokens_per_s_per_gpu": 1000,
+              "hf": {"ac": True, "compile": True, "reshard_after_forward": False}}]
+    assert issue47_summary.best_args(sweep) == "--mbs 2 --ac --compile --no-reshard"
+    assert issue47_summary.best_args(sweep[1:2]) is None
+    pairs = [{"label": "ours#1", "tokens_per_s_per_gpu": 6000}, {"label": "hf#1", "tokens_per_s_per_gpu": 1000},
+             {"label": "ours#2", "tokens_per_s_per_gpu": 4000}, {"label": "hf#2", "tokens_per_s_per_gpu": 1000}]
+    lines = issue47_summary.ratio_lines(pairs, "ours", "hf")
+    assert "6.00x" in lines[0] and "4.00x" in lines[1]
+    assert "geometric mean 4.899x" in lines[2]  # sqrt(6 x 4)
