@@ -56,19 +56,21 @@ def layer_activations(inputs: PlanInputs, layer: int, tokens: int) -> LayerActiv
     kv = (m.num_query_groups or m.num_attention_heads) * m.head_dim
     attention = (q + 2 * kv) + (q + kv) + q + (2 * q if m.attention_output_gate else 0)
     attention //= tp
-    if not inputs.flash_attention:  # the softmax output [heads, s, s]: s values per head and token
+    if inputs.attention_scores:  # the softmax output [heads, s, s]: s values per head and token
         attention += m.num_attention_heads // tp * tokens // inputs.micro_batch_size
-    mlp, routed, routed_act = 3 * m.ffn_hidden_size // tp, 0.0, 0.0
+    swiglu = 3 if inputs.fused else 5  # unfused: fc1 output, silu(gate), up, their product
+    mlp, routed, routed_act = swiglu * m.ffn_hidden_size // tp, 0.0, 0.0
     if m.is_moe_layer(layer):
         ffn, k = m.moe_ffn_hidden_size or m.ffn_hidden_size, m.moe_router_topk
         copies = k * etp / tp
         capacity = m.extra.get("moe_expert_capacity_factor")
         if capacity:
             copies = min(copies, capacity * k * etp / tp)
-        routed = copies * (2 * m.hidden_size + 3 * ffn // etp) + 4 * m.num_moe_experts
+        routed = copies * (2 * m.hidden_size + swiglu * ffn // etp) + 4 * m.num_moe_experts
         routed_act = copies * ffn // etp
-        mlp = 3 * (m.moe_shared_expert_intermediate_size or 0) // tp
-    return LayerActivations(norms=2 * h, norm_outputs=2 * h, attention=attention, mlp=mlp,
+        mlp = swiglu * (m.moe_shared_expert_intermediate_size or 0) // tp
+    norm_outputs = 2 * h if inputs.fused else 4 * h
+    return LayerActivations(norms=2 * h, norm_outputs=norm_outputs, attention=attention, mlp=mlp,
                             routed=routed, routed_act=routed_act, hidden=h)
 
 
@@ -140,10 +142,10 @@ def logits_elements(inputs: PlanInputs) -> int:
 
 
 def embedding_elements(inputs: PlanInputs, stage: int) -> int:
-    """The final norm's input and output (last stage) that the output layer keeps."""
+    """The final norm's input and output (last stage; unfused also x * rstd)."""
     m, p = inputs.model, inputs.parallel
     if stage != p.pipeline_model_parallel_size - 1:
         return 0
     tp = p.tensor_model_parallel_size
     h = m.hidden_size // (tp if p.sequence_parallel else 1)
-    return m.seq_length * inputs.micro_batch_size // p.context_parallel_size * 2 * h
+    return m.seq_length * inputs.micro_batch_size // p.context_parallel_size * (2 if inputs.fused else 3) * h

@@ -16,10 +16,10 @@ from lightning_mcore.strategy.parallel import ParallelConfig
 class PlanInputs:
     """One training run's settings. `parallel`: with the fast-path defaults settled (the
     strategy's `resolved_parallel`); `bf16`: bf16 weights (bf16-mixed), else fp32;
-    `precision_aware`: Transformer Engine's FusedAdam holds the fp32 master weights (the same
-    bytes as mcore's own copies); `flash_attention`: attention without the s x s scores
-    (Transformer Engine's fused kernels; CPU runs torch's SDPA, which also keeps none for a
-    causal mask); `vision_parameters`: the vision encoder's size (first pipeline stage),
+    `fused`: Transformer Engine's layers (the norm fused into the next linear, a fused SwiGLU);
+    False: mcore's local layers as on CPU, whose norm and SwiGLU keep more for backward.
+    Attention keeps no s x s scores either way (TE's fused kernels, torch's flash SDPA on CPU);
+    `attention_scores`: a kernel that does (not ours, kept for a comparison). `vision_parameters`: the vision encoder's size (first pipeline stage),
     counted by the caller from the family's module."""
 
     model: GPTConfig
@@ -30,8 +30,8 @@ class PlanInputs:
     bf16: bool = True
     optim: OptimizerSettings = field(default_factory=OptimizerSettings)
     lora: Optional[LoRAConfig] = None
-    precision_aware: bool = False
-    flash_attention: bool = True
+    fused: bool = True
+    attention_scores: bool = False
     vision_parameters: int = 0
 
     @property

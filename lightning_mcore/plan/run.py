@@ -31,6 +31,5 @@ def plan_inputs(strategy, module, parallel, world_size: int, bf16: bool, on_gpu:
         micro_batch_size=strategy.batch.micro_batch_size,
         global_batch_size=strategy.batch.global_batch_size, bf16=bf16, optim=optim,
         lora=getattr(module, "lora", None),
-        # TE's fused kernels on GPU; torch's SDPA (flash on CPU) otherwise: neither keeps scores
-        flash_attention=True, vision_parameters=vision_parameters(module),
+        fused=on_gpu and cfg.transformer_impl != "local", vision_parameters=vision_parameters(module),
     )
