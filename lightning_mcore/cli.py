@@ -39,6 +39,7 @@ from typing import Any, NoReturn, Optional
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
@@ -57,7 +58,7 @@ from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.models import gpt_config_from_hf
 from lightning_mcore.objectives.base import MegatronModule
-from lightning_mcore.plan.memory import largest_micro_batch, memory_plan
+from lightning_mcore.plan.memory import MemoryPlan, largest_micro_batch, memory_plan
 from lightning_mcore.plan.parameters import PlanError
 from lightning_mcore.plan.run import plan_inputs
 from lightning_mcore.plan.table import parse_bytes, plan_table
@@ -435,8 +436,9 @@ class PlanCLI(MegatronCLI):
                             help="The memory of one GPU, for the largest micro batch that fits (80GiB, 141GB, ...).")
 
     def before_instantiate_classes(self) -> None:
-        """What the plan does not read is not built: the callbacks and the logger (the data
-        module is, as `fit` builds it: it reads no file before setup)."""
+        """What the plan does not read is not built: the data module (whose files need not be
+        on this machine; a plain LightningDataModule in its place), the callbacks and the logger."""
+        self.config.data = Namespace(class_path="lightning.pytorch.LightningDataModule", init_args=Namespace())
         self.config.trainer.callbacks = None
         self.config.trainer.logger = None
 
@@ -445,7 +447,7 @@ class PlanCLI(MegatronCLI):
             self.config_init = self.parser.instantiate_classes(self.config)
         except Exception as error:  # noqa: BLE001 - re-raised unless it is a config mistake
             self._instantiation_error(error)
-        self.model, self.datamodule = self._get(self.config_init, "model"), self._get(self.config_init, "data")
+        self.model, self.datamodule = self._get(self.config_init, "model"), None
 
     def after_instantiate_classes(self) -> None:
         """The checks `fit` runs before launch, for the config's device; then the plan."""
@@ -469,12 +471,23 @@ class PlanCLI(MegatronCLI):
         use_te = on_gpu and cfg.transformer_impl != "local"  # the GPU machine has TE, this one need not
         parallel = self._checked(strategy.check_run, self.model, world, "gpu" if on_gpu else "cpu", use_te)
         try:
-            inputs = plan_inputs(strategy, self.model, parallel, world, bf16, on_gpu)
-            plan = memory_plan(inputs)
+            self.inputs = plan_inputs(strategy, self.model, parallel, world, bf16, on_gpu)
+            self.plan = memory_plan(self.inputs)
         except PlanError as error:
             self._error(f"{self._model_key(error.fields[0], getattr(cfg, error.fields[0]))}: {error}", error)
-        print(plan_table(inputs, plan, gpu_bytes, largest_micro_batch(inputs, gpu_bytes)))
-        print("layout checks: passed (the checks fit runs before launch)")
+        self.gpu_bytes, self.largest = gpu_bytes, largest_micro_batch(self.inputs, gpu_bytes)
+
+    def report(self) -> str:
+        """The table `lightning-mcore plan` prints."""
+        return (plan_table(self.inputs, self.plan, self.gpu_bytes, self.largest)
+                + "\nlayout checks: passed (the checks fit runs before launch)")
+
+
+def plan_config(config, *args: str, gpu_memory: str = "80GiB") -> MemoryPlan:
+    """The memory plan of a config file (and command-line overrides `args`), as `lightning-mcore
+    plan` computes it, for a notebook: `plan_config("configs/x.yaml").total` bytes per GPU. A
+    config mistake ends as on the command line (`error:` on stderr, SystemExit(2))."""
+    return PlanCLI(["--config", str(config), "--gpu_memory", gpu_memory, *args]).plan
 
 
 _MISSING = object()
@@ -556,7 +569,7 @@ def _run(args) -> None:
 
         return preprocess_main(argv[1:], prog="lightning-mcore preprocess")
     if argv[:1] == ["plan"]:  # the per-GPU memory of a config, without a GPU
-        PlanCLI(args=argv[1:])
+        print(PlanCLI(args=argv[1:]).report())
         return None
     MegatronCLI(args=args)
 
