@@ -476,10 +476,11 @@ class PlanCLI(MegatronCLI):
         except PlanError as error:
             self._error(f"{self._model_key(error.fields[0], getattr(cfg, error.fields[0]))}: {error}", error)
         self.gpu_bytes, self.largest = gpu_bytes, largest_micro_batch(self.inputs, gpu_bytes)
+        self.ranks = "GPUs" if on_gpu else "CPU ranks"
 
     def report(self) -> str:
         """The table `lightning-mcore plan` prints."""
-        return (plan_table(self.inputs, self.plan, self.gpu_bytes, self.largest)
+        return (plan_table(self.inputs, self.plan, self.gpu_bytes, self.largest, self.ranks)
                 + "\nlayout checks: passed (the checks fit runs before launch)")
 
 

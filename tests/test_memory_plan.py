@@ -6,18 +6,24 @@
     grad buffers and of the optimizer's state tensors), distributed optimizer on and off;
 (c) activations against torch's own count of what one forward saves for backward
     (saved_tensors_hooks, one count per storage, parameters left out);
-(d) `lightning-mcore plan` on a bundled config, and its one-line refusals (exit code 2).
+(d) `lightning-mcore plan` on a bundled config, and its one-line refusals (exit code 2); the
+    command docs/gpu.md shows, with the output it shows.
 """
 
 import json
 import os
+import subprocess
+import sys
 
 import lightning as L
 import pytest
 import torch
+import transformers
 from forked_process import cli_command, run as run_forked
 from megatron.core import parallel_state
-from readme import ROOT
+from readme import ROOT, clean_env, code_blocks, commands, section, user_dir
+from readme import run as run_readme
+from test_configs import QWEN3_30B_A3B
 from toy import fit, tiny_config
 
 from lightning_mcore import LoRAConfig, OptimizerSettings
@@ -151,7 +157,7 @@ def test_plan_command_prints_the_table():
     for name in ("weights", "gradients", "optimizer state", "activations", "logits", "buffers", "total"):
         assert any(line.split()[:len(name.split())] == name.split() for line in lines), (name, proc.stdout)
     assert "largest micro batch in 1 GiB:" in proc.stdout and "layout checks: passed" in proc.stdout
-    assert "2 ranks, TP=2" in proc.stdout and "LoRA r8" in proc.stdout
+    assert "2 CPU ranks, TP=2" in proc.stdout and "LoRA r8" in proc.stdout
 
 
 @pytest.mark.parametrize("args,key", [
@@ -165,3 +171,21 @@ def test_plan_command_refuses_a_bad_setting_in_one_line(args, key):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and key in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_docs_plan_command_prints_what_the_page_shows(tmp_path):
+    """docs/gpu.md's command, run as a user runs it (a fresh interpreter, a directory with
+    configs/ and the model's config.json), prints the output the page shows; its Python block
+    gives the same plan."""
+    text = section("Memory plan before launch", "gpu.md")
+    (argv,) = commands(text)
+    cwd = user_dir(tmp_path)
+    transformers.Qwen3MoeConfig(**QWEN3_30B_A3B).save_pretrained(cwd / "checkpoints" / "Qwen3-30B-A3B")
+    shown = code_blocks(text, "text")[0]
+    assert run_readme(argv, cwd).stdout == shown
+    (block,) = code_blocks(text, "python")
+    proc = subprocess.run([sys.executable, "-c", block], cwd=cwd, env=clean_env(cwd), capture_output=True,
+                          text=True, timeout=300)
+    total = next(line.split()[1] for line in shown.splitlines() if line.split()[:1] == ["total"])
+    trained = shown.splitlines()[1].split(", ")[-1].split()[0]
+    assert proc.returncode == 0 and proc.stdout == f"{total} GiB per GPU, {trained} trained parameters\n", proc.stderr

@@ -25,7 +25,7 @@ def gib(n: float) -> str:
     return f"{n / GiB:9.2f} GiB" if n >= GiB else f"{n / 1024**2:9.2f} MiB"
 
 
-def describe(inputs: PlanInputs) -> str:
+def describe(inputs: PlanInputs, ranks: str = "GPUs") -> str:
     """One line of what was planned: layout, precision, optimizer, LoRA, recompute, batch."""
     p, m = inputs.parallel, inputs.model
     sizes = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size}"
@@ -37,14 +37,15 @@ def describe(inputs: PlanInputs) -> str:
         (f" offload {inputs.optim.offload_fraction:g}" if inputs.optim.cpu_offload else "")
     lora = f"LoRA r{inputs.lora.rank}" if inputs.lora else "full"
     recompute = m.recompute_granularity or "none"
-    return (f"{inputs.world_size} ranks, {sizes}; {'bf16' if inputs.bf16 else 'fp32'}, {optim}, {lora}, "
+    return (f"{inputs.world_size} {ranks}, {sizes}; {'bf16' if inputs.bf16 else 'fp32'}, {optim}, {lora}, "
             f"recompute {recompute}; micro batch {inputs.micro_batch_size} x seq {m.seq_length}")
 
 
 def plan_table(inputs: PlanInputs, plan: MemoryPlan, gpu_bytes: Optional[int] = None,
-               largest: Optional[int] = None) -> str:
+               largest: Optional[int] = None, ranks: str = "GPUs") -> str:
+    """`ranks`: what the ranks are ("GPUs", "CPU ranks")."""
     counts = plan.parameters
-    lines = [describe(inputs),
+    lines = [describe(inputs, ranks),
              f"per GPU (pipeline stage {plan.stage}): {counts.total:,} parameters, {counts.trainable:,} trained"]
     lines += [f"  {name:<16}{gib(value)}" for name, value in plan.components().items()]
     lines.append(f"  {'total':<16}{gib(plan.total)}")
