@@ -3,8 +3,8 @@ micro batch, times the micro batches a pipeline stage holds in flight.
 
 The per-layer count follows Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models"), redone for this layer: RMSNorm, grouped-query attention with RoPE,
-a SwiGLU MLP, no dropout, and attention without the s x s scores (flash/fused attention; the
-scores are added where the kernel keeps them). Per token of a rank, in elements:
+a SwiGLU MLP, no dropout, and attention without the s x s scores (TE's fused attention, and
+torch's flash SDPA on CPU, keep none). Per token of a rank, in elements:
 
     each norm        input + output                      2h   (x2 norms)
     attention        mixed q|k|v (v stays a view of it)   q + 2kv (+ q: output gate)
@@ -45,9 +45,8 @@ class LayerActivations:
         return self.norms + self.norm_outputs + self.attention + self.mlp + self.routed
 
 
-def layer_activations(inputs: PlanInputs, layer: int, tokens: int) -> LayerActivations:
-    """Elements per token of this rank that `layer` keeps, `tokens` the rank's tokens of one
-    micro batch (for the s x s term of attention that keeps its scores)."""
+def layer_activations(inputs: PlanInputs, layer: int) -> LayerActivations:
+    """Elements per token of this rank that `layer` keeps."""
     m, p = inputs.model, inputs.parallel
     tp = p.tensor_model_parallel_size
     etp = p.expert_tensor_parallel_size or tp
@@ -56,8 +55,6 @@ def layer_activations(inputs: PlanInputs, layer: int, tokens: int) -> LayerActiv
     kv = (m.num_query_groups or m.num_attention_heads) * m.head_dim
     attention = (q + 2 * kv) + (q + kv) + q + (2 * q if m.attention_output_gate else 0)
     attention //= tp
-    if inputs.attention_scores:  # the softmax output [heads, s, s]: s values per head and token
-        attention += m.num_attention_heads // tp * tokens // inputs.micro_batch_size
     swiglu = 3 if inputs.fused else 5  # unfused: fc1 output, silu(gate), up, their product
     mlp, routed, routed_act = swiglu * m.ffn_hidden_size // tp, 0.0, 0.0
     if m.is_moe_layer(layer):
@@ -119,7 +116,7 @@ def stage_activation_elements(inputs: PlanInputs, stage: int) -> float:
     m, p = inputs.model, inputs.parallel
     tokens = m.seq_length * inputs.micro_batch_size // p.context_parallel_size
     layers = [layer for chunk in stage_layers(inputs, stage) for layer in chunk]
-    acts = [layer_activations(inputs, layer, tokens) for layer in layers]
+    acts = [layer_activations(inputs, layer) for layer in layers]
     flight = in_flight(inputs, stage)
     if m.recompute_granularity != "full":
         return tokens * flight * sum(kept(inputs, a) for a in acts)

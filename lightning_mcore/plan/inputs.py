@@ -14,13 +14,12 @@ from lightning_mcore.strategy.parallel import ParallelConfig
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """One training run's settings. `parallel`: with the fast-path defaults settled (the
-    strategy's `resolved_parallel`); `bf16`: bf16 weights (bf16-mixed), else fp32;
-    `fused`: Transformer Engine's layers (the norm fused into the next linear, a fused SwiGLU);
-    False: mcore's local layers as on CPU, whose norm and SwiGLU keep more for backward.
-    Attention keeps no s x s scores either way (TE's fused kernels, torch's flash SDPA on CPU);
-    `attention_scores`: a kernel that does (not ours, kept for a comparison). `vision_parameters`: the vision encoder's size (first pipeline stage),
-    counted by the caller from the family's module."""
+    """One training run's settings. `parallel`: the layout with the device's defaults settled
+    (MegatronStrategy.check_run returns it); `bf16`: bf16 weights (bf16-mixed), else fp32;
+    `fused`: Transformer Engine's layers (the norm fused into the next linear, a fused SwiGLU),
+    False: mcore's local layers as on CPU, whose norms and SwiGLU keep more for backward;
+    `vision_parameters`: the vision encoder's size (first pipeline stage), counted by the
+    caller from the family's module (plan/run.py)."""
 
     model: GPTConfig
     parallel: ParallelConfig
@@ -31,7 +30,6 @@ class PlanInputs:
     optim: OptimizerSettings = field(default_factory=OptimizerSettings)
     lora: Optional[LoRAConfig] = None
     fused: bool = True
-    attention_scores: bool = False
     vision_parameters: int = 0
 
     @property

@@ -10,7 +10,8 @@ Bytes per parameter, as mcore allocates them (grad_reduce_in_fp32, strategy/mega
 
 shards: the data-parallel x context-parallel ranks (routed experts: the expert data-parallel
 ranks) with the distributed optimizer, else 1; `cpu_offload` keeps 1 - offload_fraction of
-the state on the GPU. SGD keeps one momentum (and the master copy)."""
+the state on the GPU. SGD keeps one momentum (and the master copy). The precision-aware
+optimizer (TE's FusedAdam) holds the same fp32 master weights and moments as mcore's copies."""
 
 from __future__ import annotations
 
