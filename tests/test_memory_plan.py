@@ -27,6 +27,8 @@ from test_configs import QWEN3_30B_A3B
 from toy import fit, tiny_config
 
 from lightning_mcore import LoRAConfig, OptimizerSettings
+from lightning_mcore.callbacks.console import default_console
+from lightning_mcore.callbacks.memory_plan import MemoryPlanReport, report_line
 from lightning_mcore.plan.activations import logits_elements
 from lightning_mcore.plan.inputs import PlanInputs
 from lightning_mcore.plan.memory import optimizer_bytes, stage_plan
@@ -202,3 +204,14 @@ def test_docs_plan_command_prints_what_the_page_shows(tmp_path):
     total = next(line.split()[1] for line in shown.splitlines() if line.split()[:1] == ["total"])
     trained = shown.splitlines()[1].split(", ")[-1].split()[0]
     assert proc.returncode == 0 and proc.stdout == f"{total} GiB per GPU, {trained} trained parameters\n", proc.stderr
+
+
+def test_fit_reports_the_plan_beside_the_peak_on_gpu_only(tmp_path, capfd):
+    """The CLI's console adds MemoryPlanReport; on CPU it writes nothing (no allocator peak to
+    compare). Its line on GPU: the plan, the peak and the plan's error."""
+    fit(tmp_path, devices=1, steps=2, gbs=2, mbs=2, callbacks=(MemoryPlanReport(after_steps=1),))
+    assert "memory: planned" not in capfd.readouterr().err
+    assert any(isinstance(c, MemoryPlanReport) for c in default_console({}, [])["callbacks"])
+    line = report_line(10 * 2**30, 8 * 2**30, 3)
+    assert line.startswith("memory: planned 10.0 GiB per GPU (pipeline stage 0), measured peak 8.0 GiB "
+                           "allocated after 3 steps (+25.0% planned)"), line
