@@ -24,6 +24,7 @@ from lightning_mcore.plan.parameters import ParameterCount, stage_parameters
 GiB = 1024**3
 # CUDA and cuBLAS workspaces, RNG states, the loss and metrics: not modelled, a stated allowance
 FIXED_ALLOWANCE = GiB // 2
+MICRO_BATCH_LIMIT = 1024  # the largest micro batch searched
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,11 @@ def memory_plan(inputs: PlanInputs) -> MemoryPlan:
     return max((stage_plan(inputs, s) for s in stages), key=lambda plan: plan.total)
 
 
-def largest_micro_batch(inputs: PlanInputs, gpu_bytes: int, limit: int = 1024) -> int:
-    """The largest micro batch whose plan fits in `gpu_bytes` (0: not even 1)."""
+def largest_micro_batch(inputs: PlanInputs, gpu_bytes: int) -> int:
+    """The largest micro batch whose plan fits in `gpu_bytes` (0: not even 1), at most
+    MICRO_BATCH_LIMIT."""
     fits = 0
-    for mbs in range(1, limit + 1):
+    for mbs in range(1, MICRO_BATCH_LIMIT + 1):
         if memory_plan(inputs.with_micro_batch(mbs)).total > gpu_bytes:
             break
         fits = mbs

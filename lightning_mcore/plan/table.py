@@ -6,7 +6,7 @@ import re
 from typing import Optional
 
 from lightning_mcore.plan.inputs import PlanInputs
-from lightning_mcore.plan.memory import GiB, MemoryPlan
+from lightning_mcore.plan.memory import MICRO_BATCH_LIMIT, GiB, MemoryPlan
 
 UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": GiB, "tib": 1024**4,
          "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
@@ -51,5 +51,5 @@ def plan_table(inputs: PlanInputs, plan: MemoryPlan, gpu_bytes: Optional[int] = 
     lines.append(f"  {'total':<16}{gib(plan.total)}")
     if gpu_bytes is not None:
         lines.append(f"largest micro batch in {gpu_bytes / GiB:g} GiB: {largest}"
-                     + (" (none fits)" if largest == 0 else ""))
+                     + (" (none fits)" if largest == 0 else " or more" if largest == MICRO_BATCH_LIMIT else ""))
     return "\n".join(lines)
