@@ -6,6 +6,7 @@
     lightning-mcore export --checkpoint runs/x/last.ckpt --output hf-out
     lightning-mcore verify --model hf-dir --tensor_model_parallel_size 2
     lightning-mcore preprocess --input corpus.jsonl --tokenizer tok-dir --output-prefix data/corpus
+    lightning-mcore plan --config configs/llama3_8b_sft.yaml --gpu_memory 80GiB
 
 Config mistakes end with `error: ...` naming the key and exit code 2, without a traceback:
 unknown keys and wrong types (jsonargparse's report in one line with the closest valid names,
@@ -36,7 +37,9 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
@@ -55,11 +58,15 @@ from lightning_mcore.lora.config import LoRAConfig
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.models import gpt_config_from_hf
 from lightning_mcore.objectives.base import MegatronModule
+from lightning_mcore.plan.memory import MemoryPlan, largest_micro_batch, memory_plan
+from lightning_mcore.plan.parameters import PlanError
+from lightning_mcore.plan.run import plan_inputs
+from lightning_mcore.plan.table import parse_bytes, plan_table
 from lightning_mcore.refusals import deliberate, report_refusals, traceback_frames
 from lightning_mcore.strategy import checkpoint_io
 from lightning_mcore.strategy.checkpoint_io import CheckpointOptions
 from lightning_mcore.strategy.forked_ranks import ending_forked_rank
-from lightning_mcore.strategy.megatron import MegatronStrategy
+from lightning_mcore.strategy.megatron import MegatronStrategy, precision_dtype
 from lightning_mcore.strategy.optimizer import OptimizerSettings
 from lightning_mcore.strategy.parallel import LayoutError
 from lightning_mcore.verify import main as verify_main
@@ -71,10 +78,11 @@ EXPORT_HELP = ("export: a checkpoint to a Hugging Face directory (no Trainer, no
                "--model hf-dir [--tensor_model_parallel_size 2 ...]; see lightning-mcore verify --help. "
                "preprocess: text to mcore indexed .bin/.idx files: lightning-mcore preprocess --input "
                "corpus.jsonl --tokenizer tok-dir --output-prefix data/corpus; see lightning-mcore "
-               "preprocess --help.")
+               "preprocess --help. plan: the per-GPU memory of a config, without a GPU: lightning-mcore plan "
+               "--config x.yaml [--gpu_memory 80GiB]; see lightning-mcore plan --help.")
 
 DESCRIPTION = ("Subcommands: fit, validate, test, predict (a Lightning Trainer on a config); export, "
-               "verify, preprocess (described below).")
+               "verify, preprocess, plan (described below).")
 
 
 class MegatronCLI(LightningCLI):
@@ -106,23 +114,31 @@ class MegatronCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except Exception as error:  # noqa: BLE001 - re-raised unless it is a config mistake
-            root = _root_cause(error)
-            if isinstance(root, LayoutError):
-                self._layout_error(root)
-            where = _config_error_source(root)
-            if where is None:
-                raise
-            self._error(f"{where}: {root}", root)
-
+            self._instantiation_error(error)
         strategy = self.trainer.strategy
         if isinstance(strategy, MegatronStrategy):
-            try:
-                strategy.validate_module(self.model)
-            except LayoutError as error:
-                self._layout_error(error)
-            except LoRAPlanError as error:
-                keys = [f"model.init_args.lora.{f}={getattr(self.model.lora, f)}" for f in error.lora]
-                self._error(f"invalid LoRA setting ({', '.join(keys + self._layout_keys(error))}): {error}", error)
+            self._checked(strategy.validate_module, self.model)
+
+    def _instantiation_error(self, error: Exception) -> None:
+        """A config mistake met while the classes were built as one `error:` line; anything
+        else (a bug) re-raised with its traceback."""
+        root = _root_cause(error)
+        if isinstance(root, LayoutError):
+            self._layout_error(root)
+        where = _config_error_source(root)
+        if where is None:
+            raise error
+        self._error(f"{where}: {root}", root)
+
+    def _checked(self, check, *args) -> Any:
+        """`check(*args)`, its layout or LoRA refusal as an `error:` line naming the keys."""
+        try:
+            return check(*args)
+        except LayoutError as error:
+            self._layout_error(error)
+        except LoRAPlanError as error:
+            keys = [f"model.init_args.lora.{f}={getattr(self.model.lora, f)}" for f in error.lora]
+            self._error(f"invalid LoRA setting ({', '.join(keys + self._layout_keys(error))}): {error}", error)
 
     def _check_export_targets(self) -> None:
         """A fresh `fit` whose HFExport would meet an earlier export stops here, not after its
@@ -396,6 +412,85 @@ class MegatronCLI(LightningCLI):
         return f"model.init_args.model.{field}={value}"
 
 
+class PlanCLI(MegatronCLI):
+    """`lightning-mcore plan --config X.yaml [--gpu_memory 80GiB]`: the config parsed by the
+    parser `fit` uses (every key means what it means there), the module and the strategy built
+    (not the data, callbacks, logger or Trainer; no process starts), the layout checks run for
+    the config's own device and world size, and the per-GPU memory plan printed
+    (lightning_mcore/plan/)."""
+
+    def __init__(self, args=None) -> None:
+        super().__init__(args=args, run=False)
+
+    def init_parser(self, **kwargs: Any):
+        kwargs.setdefault("prog", "lightning-mcore plan")
+        kwargs["description"] = ("The per-GPU memory of a training config (weights, gradients, optimizer "
+                                 "state, activations, logits, buffers), the largest micro batch that fits "
+                                 "--gpu_memory, and the layout checks, without a GPU.")
+        kwargs.pop("epilog", None)
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        super().add_arguments_to_parser(parser)
+        parser.add_argument("--gpu_memory", type=str, default="80GiB",
+                            help="The memory of one GPU, for the largest micro batch that fits (80GiB, 141GB, ...).")
+
+    def before_instantiate_classes(self) -> None:
+        """What the plan does not read is not built: the data module (whose files need not be
+        on this machine; a plain LightningDataModule in its place), the callbacks and the logger."""
+        self.config.data = Namespace(class_path="lightning.pytorch.LightningDataModule", init_args=Namespace())
+        self.config.trainer.callbacks = None
+        self.config.trainer.logger = None
+
+    def instantiate_classes(self) -> None:
+        try:
+            self.config_init = self.parser.instantiate_classes(self.config)
+        except Exception as error:  # noqa: BLE001 - re-raised unless it is a config mistake
+            self._instantiation_error(error)
+        self.model, self.datamodule = self._get(self.config_init, "model"), None
+
+    def after_instantiate_classes(self) -> None:
+        """The checks `fit` runs before launch, for the config's device; then the plan."""
+        trainer = self._get(self.config, "trainer")
+        strategy = self._get(self.config_init, "trainer").get("strategy")
+        if not isinstance(strategy, MegatronStrategy):
+            self._error(f"trainer.strategy={strategy}: the plan is for lightning_mcore.MegatronStrategy runs.")
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+        devices = len(devices) if isinstance(devices, (list, tuple)) else devices
+        if not isinstance(devices, int) and not str(devices).isdigit():
+            self._error(f"trainer.devices={devices}: the plan needs the number of devices per node.")
+        world = int(devices) * int(nodes)
+        on_gpu = trainer.get("accelerator") != "cpu"
+        try:
+            bf16 = precision_dtype(trainer.get("precision")) == torch.bfloat16
+            gpu_bytes = parse_bytes(self._get(self.config, "gpu_memory"))
+        except ValueError as error:
+            key = "gpu_memory" if "memory size" in str(error) else "trainer.precision"
+            self._error(f"{key}: {error}")
+        cfg = self.model.model_config
+        use_te = on_gpu and cfg.transformer_impl != "local"  # the GPU machine has TE, this one need not
+        parallel = self._checked(strategy.check_run, self.model, world, "gpu" if on_gpu else "cpu", use_te)
+        try:
+            self.inputs = plan_inputs(strategy, self.model, parallel, world, bf16, on_gpu)
+            self.plan = memory_plan(self.inputs)
+        except PlanError as error:
+            self._error(f"{self._model_key(error.fields[0], getattr(cfg, error.fields[0]))}: {error}", error)
+        self.gpu_bytes, self.largest = gpu_bytes, largest_micro_batch(self.inputs, gpu_bytes)
+        self.ranks = "GPUs" if on_gpu else "CPU ranks"
+
+    def report(self) -> str:
+        """The table `lightning-mcore plan` prints."""
+        return (plan_table(self.inputs, self.plan, self.gpu_bytes, self.largest, self.ranks)
+                + "\nlayout checks: passed (the checks fit runs before launch)")
+
+
+def plan_config(config, *args: str, gpu_memory: str = "80GiB") -> MemoryPlan:
+    """The memory plan of a config file (and command-line overrides `args`), as `lightning-mcore
+    plan` computes it, for a notebook: `plan_config("configs/x.yaml").total` bytes per GPU. A
+    config mistake ends as on the command line (`error:` on stderr, SystemExit(2))."""
+    return PlanCLI(["--config", str(config), "--gpu_memory", gpu_memory, *args]).plan
+
+
 _MISSING = object()
 # `--ckpt_path last-if-any`: resume the last checkpoint where there is one, else start afresh
 LAST_IF_ANY = "last-if-any"
@@ -474,6 +569,9 @@ def _run(args) -> None:
     if argv[:1] == ["preprocess"]:  # text to mcore indexed .bin/.idx files
 
         return preprocess_main(argv[1:], prog="lightning-mcore preprocess")
+    if argv[:1] == ["plan"]:  # the per-GPU memory of a config, without a GPU
+        print(PlanCLI(args=argv[1:]).report())
+        return None
     MegatronCLI(args=args)
 
 

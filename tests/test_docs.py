@@ -108,6 +108,7 @@ READ_BY = {
     ("hf-families.md", "Check your own model: verify"): "test_readme_examples.py",
     ("hf-families.md", "Adding a family"): "test_readme_examples.py",
     ("pretraining.md", "Data"): "test_data_indexed.py",
+    ("gpu.md", "Memory plan before launch"): "test_memory_plan.py",
     ("parallelism.md", "Several nodes: torchrun and SLURM"): "test_readme_multinode.py",
     ("testing.md", "Benchmark results"): "test_results_table.py",
 }

@@ -87,6 +87,16 @@ _PRECISIONS = {
 }
 
 
+def precision_dtype(precision) -> torch.dtype:
+    """The weights' dtype of a Trainer `precision`; ValueError for one we do not run."""
+    if str(precision) not in _PRECISIONS:
+        raise ValueError(
+            f"precision={str(precision)!r} is not supported by MegatronStrategy; use '32-true' "
+            f"or 'bf16-mixed' (mcore keeps fp32 main weights and grads with bf16)."
+        )
+    return _PRECISIONS[str(precision)]
+
+
 class MegatronStrategy(DDPStrategy):
     """The Lightning strategy that runs a MegatronModule under Megatron-Core's parallelism
     (tensor, pipeline, context, expert and data parallel, the distributed optimizer) and writes
@@ -176,13 +186,7 @@ class MegatronStrategy(DDPStrategy):
 
     @property
     def dtype(self) -> torch.dtype:
-        precision = str(self.precision_plugin.precision)
-        if precision not in _PRECISIONS:
-            raise ValueError(
-                f"precision={precision!r} is not supported by MegatronStrategy; use '32-true' "
-                f"or 'bf16-mixed' (mcore keeps fp32 main weights and grads with bf16)."
-            )
-        return _PRECISIONS[precision]
+        return precision_dtype(self.precision_plugin.precision)
 
     def mcore_context(self):
         """Context for calls into mcore: on CPU, CUDA-only tensor creation lands on CPU."""
@@ -194,9 +198,14 @@ class MegatronStrategy(DDPStrategy):
         exists. `optim`: the module's OptimizerSettings, where known."""
         accelerator = "cpu" if self.on_cpu else "gpu"
         use_te = model_config.uses_te(accelerator) if model_config else False
-        validate_layout(self.num_nodes * self.num_processes, self.parallel, self.batch, model_config,
-                        accelerator=accelerator, use_te=use_te, optimizer=optimizer)
-        validate_memory(self.parallel, model_config, optim, accelerator, use_te)
+        self._validate_layout(self.num_nodes * self.num_processes, self.parallel, model_config, optimizer,
+                              optim, accelerator, use_te)
+
+    def _validate_layout(self, world_size: int, parallel: ParallelConfig, model_config, optimizer,
+                         optim, accelerator: str, use_te: bool) -> None:
+        validate_layout(world_size, parallel, self.batch, model_config, accelerator=accelerator,
+                        use_te=use_te, optimizer=optimizer)
+        validate_memory(parallel, model_config, optim, accelerator, use_te)
         if model_config is not None:
             validate_cuda_graphs(model_config, accelerator)
             validate_expert_gemm(model_config)
@@ -228,22 +237,35 @@ class MegatronStrategy(DDPStrategy):
         """Settle the fast-path defaults for the module's optimizer (`optim`), then run every
         check, those on its model config (`model_config`) and LoRA (`lora`) included. Needs no
         process group."""
-        optim = getattr(module, "optim", None)
-        optimizer = getattr(optim, "optimizer", None)
-        self.parallel = resolve_fast_path(self._requested_parallel, not self.on_cpu, optimizer)
+        self.parallel = self.check_run(module, self.num_nodes * self.num_processes,
+                                       "cpu" if self.on_cpu else "gpu")
         model_config = getattr(module, "model_config", None)
-        self.validate(model_config, optimizer, optim if isinstance(optim, OptimizerSettings) else None)
-        validate_reference_offload(getattr(module, "offload_reference", False),
-                                   "cpu" if self.on_cpu else "gpu")
-        if getattr(module, "lora", None) is not None and model_config is not None:
-            check_lora_plan(module.lora, model_config, self.uses_te(model_config))
-        if model_config is not None:  # after LoRA's check, whose refusal names the LoRA fix
-            validate_expert_kernel(model_config, self.uses_te(model_config))
         self.refuse_packed_context_parallel(module)
         if model_config is not None:
             validate_graphed_module(model_config, type(module).__name__, getattr(module, "packed_sequences", False))
         if hasattr(module, "check_layout"):  # the module's own needs of the batch (GRPO's groups)
             module.check_layout(self)
+
+    def check_run(self, module, world_size: int, accelerator: str, use_te: Optional[bool] = None) -> ParallelConfig:
+        """The layout, memory-option and LoRA checks of `module` in a run of `world_size` ranks
+        on `accelerator`, pure: also for a run this process will not launch (lightning-mcore
+        plan checks a GPU config on a laptop). Returns the layout with the fast-path defaults
+        settled for that device. `use_te`: whether the run has Transformer Engine (default:
+        whether this machine has it)."""
+        optim = getattr(module, "optim", None)
+        optimizer = getattr(optim, "optimizer", None)
+        parallel = resolve_fast_path(self._requested_parallel, accelerator == "gpu", optimizer)
+        model_config = getattr(module, "model_config", None)
+        if use_te is None:
+            use_te = model_config.uses_te(accelerator) if model_config else False
+        self._validate_layout(world_size, parallel, model_config, optimizer,
+                              optim if isinstance(optim, OptimizerSettings) else None, accelerator, use_te)
+        validate_reference_offload(getattr(module, "offload_reference", False), accelerator)
+        if getattr(module, "lora", None) is not None and model_config is not None:
+            check_lora_plan(module.lora, model_config, use_te)
+        if model_config is not None:  # after LoRA's check, whose refusal names the LoRA fix
+            validate_expert_kernel(model_config, use_te)
+        return parallel
 
     def setup_distributed(self) -> None:
         """Lightning's, but the process group is not bound to the device (no `device_id`), as

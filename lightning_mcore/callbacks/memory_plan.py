@@ -1,0 +1,40 @@
+"""MemoryPlanReport: the memory plan's figure beside the measured allocator peak, once, after
+the first steps of a GPU run (`lightning-mcore plan` says before launch what this checks)."""
+
+from __future__ import annotations
+
+import sys
+
+import lightning as L
+import torch
+
+from lightning_mcore.plan.memory import GiB, stage_plan
+from lightning_mcore.plan.parameters import PlanError
+from lightning_mcore.plan.run import plan_inputs
+
+
+def report_line(planned: int, peak: int, steps: int) -> str:
+    return (f"memory: planned {planned / GiB:.1f} GiB per GPU (pipeline stage 0), measured peak "
+            f"{peak / GiB:.1f} GiB allocated after {steps} steps ({(planned - peak) / peak:+.1%} "
+            f"planned); lightning-mcore plan --config ... gives the plan before launch.")
+
+
+class MemoryPlanReport(L.Callback):
+    """After `after_steps` optimizer steps on GPU, rank 0 (pipeline stage 0) writes its plan's
+    total and torch.cuda.max_memory_allocated() to stderr. Nothing on CPU."""
+
+    def __init__(self, after_steps: int = 3) -> None:
+        self.after_steps = after_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        if trainer.global_step != self.after_steps or not trainer.is_global_zero or strategy.root_device.type != "cuda":
+            return
+        try:
+            inputs = plan_inputs(strategy, pl_module, strategy.parallel, trainer.world_size,
+                                 strategy.dtype == torch.bfloat16, on_gpu=True)
+            planned = stage_plan(inputs, 0).total
+        except (PlanError, AttributeError):  # a model the plan does not count, or not ours
+            return
+        sys.stderr.write(report_line(planned, torch.cuda.max_memory_allocated(strategy.root_device),
+                                     self.after_steps) + "\n")
