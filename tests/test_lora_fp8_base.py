@@ -30,6 +30,8 @@ from lightning_mcore.model.build import build_chunks
 from lightning_mcore.model.config import to_transformer_config
 from lightning_mcore.strategy.parallel import ParallelConfig
 from test_lora import TOKENS, Probe, peft_and_merged_match
+from test_lora_experts_resume import adapters as saved_adapters
+from test_lora_experts_resume import run as run_with_checkpoints
 from toy import TokenRows, assemble, fit, tiny_config
 
 LORA = LoRAConfig(target_modules="all-linear", rank=8, alpha=16.0)
@@ -198,7 +200,8 @@ def test_fp8_base_equals_dequantized_reference_across_layouts(tmp_path):
     ref_logits = torch.load(ref / "logits.pt")
     assert ref_losses[0] - ref_losses[-1] > 1e-2, ref_losses
     runs = {"tp1": train(tmp_path, "tp1", source, FP8),
-            "tp2": train(tmp_path, "tp2", source, FP8, 2, export=True, tensor_model_parallel_size=2),
+            "tp2": train(tmp_path, "tp2", source, FP8, 2, export=True, tensor_model_parallel_size=2,
+                         sequence_parallel=True),  # MoE at TP=2 needs SP; experts at expert-TP 2
             "pp2": train(tmp_path, "pp2", source, FP8, 2, pipeline_model_parallel_size=2),
             "ep2": train(tmp_path, "ep2", source, FP8, 2, overrides=TORCH_EXPERTS, expert_model_parallel_size=2)}
     for name, (losses, adapters, out) in runs.items():
@@ -227,3 +230,47 @@ def test_fp8_base_equals_dequantized_reference_across_layouts(tmp_path):
     peft_and_merged_match(dequantized, out, torch.load(out / "logits.pt"))
     for kind in ("peft", "merged"):
         assert json.loads((out / kind / "lightning_mcore_export.json").read_text())["lora_base_precision"] == "fp8"
+
+
+@pytest.mark.distributed
+def test_fp8_run_saved_at_tp2_resumes_exactly_and_at_tp1(tmp_path):
+    """The checkpoint holds the adapters (and Adam's moments) only; the base is loaded and
+    quantized again at resume. At TP=2 the resumed run repeats the uninterrupted one bit for
+    bit; at TP=1 (the codes are the TP=2 run's: the row max over the TP group) it continues
+    that run within fp32 rounding (other reduction orders). (An uninterrupted TP=1 run has the
+    same losses to 1e-5, its adapters differ by up to ~5e-5: Adam divides by sqrt(v), so
+    elements with near-zero gradients amplify the first steps' rounding.)"""
+    make_hf_model("qwen2_moe", tmp_path / "source")
+    tp2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+    straight = run_with_checkpoints(tmp_path, "straight", 1, lora=FP8)
+    straight2 = run_with_checkpoints(tmp_path, "straight2", 2, lora=FP8, **tp2)
+    saved = tmp_path / "straight2-ckpts" / "epoch=0-step=2.ckpt"
+    resumed2 = run_with_checkpoints(tmp_path, "resumed2", 2, ckpt_path=str(saved), lora=FP8, **tp2)
+    resumed = run_with_checkpoints(tmp_path, "resumed", 1, ckpt_path=str(saved), lora=FP8)
+    assert len(straight) == 4 and straight2 == pytest.approx(straight, rel=1e-5)
+    assert resumed2 == straight2[2:], (resumed2, straight2)
+    assert resumed == pytest.approx(straight2[2:], rel=1e-6), (resumed, straight2)
+    fresh = saved_adapters(tmp_path, "straight", "init", 1)
+    for (name, ranks), (ref, tol) in {("resumed2", 2): (("straight2", 2), 0.0),
+                                      ("resumed", 1): (("straight2", 2), 1e-6)}.items():
+        want, got = saved_adapters(tmp_path, ref[0], "end", ref[1]), saved_adapters(tmp_path, name, "end", ranks)
+        assert max((want[k] - fresh[k]).abs().max().item() for k in want) > 1e-2, "nothing trained"
+        assert got.keys() == want.keys()
+        for key, tensor in want.items():
+            torch.testing.assert_close(got[key], tensor, rtol=0, atol=tol, msg=f"{name} {key}")
+
+
+def test_docs_fp8_config_trains_and_exports_merged(tmp_path):
+    """docs/lora.md's commands, verbatim: the FP8 base is reported, the checkpoint holds the
+    adapters only, and the export command (which rebuilds and quantizes the base) writes the
+    merged model, marked fp8."""
+    from readme import commands, run, section, user_dir
+
+    work = user_dir(tmp_path)
+    fit_argv, export_argv = commands(section("LoRA over an FP8 base", "lora.md"))
+    trained = run(fit_argv, work)
+    assert "LoRA base in fp8" in trained.stdout + trained.stderr
+    run(export_argv, work)
+    merged = work / "runs" / "sft_lora_fp8" / "merged"
+    assert json.loads((merged / "lightning_mcore_export.json").read_text())["lora_base_precision"] == "fp8"
+    assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
