@@ -131,9 +131,8 @@ class _Packed:
     """A saved weight as autograd keeps it: its quantized record and its view of the call's
     dequantized tensor; unpacked by dequantizing once per backward node (experts: E views)."""
 
-    def __init__(self, record: QuantizedWeights, size, stride, offset) -> None:
-        self.record, self.view = record, (tuple(size), tuple(stride), offset)
-        self.cache: dict = {}  # shared by the views of one call (set by the pack hook)
+    def __init__(self, record: QuantizedWeights, view: tuple, cache: dict) -> None:
+        self.record, self.view, self.cache = record, view, cache  # cache: shared by one call's views
 
 
 class _CallHooks:
@@ -149,9 +148,7 @@ class _CallHooks:
 
     def pack(self, t: torch.Tensor):
         if t.numel() and t.untyped_storage().data_ptr() == self.storage:
-            packed = _Packed(self.record, t.size(), t.stride(), t.storage_offset())
-            packed.cache = self.cache
-            return packed
+            return _Packed(self.record, (tuple(t.size()), tuple(t.stride()), t.storage_offset()), self.cache)
         return self.outer[0](t) if self.outer else t
 
     def unpack(self, packed):
@@ -163,6 +160,9 @@ class _CallHooks:
 
 
 def _pre_hook(record: QuantizedWeights):
+    """Materialise and push the call's hooks; the forward hook pops them (a forward that raises
+    leaves them pushed: the step fails anyway)."""
+
     def hook(module, args):
         if record.merged:
             return
