@@ -146,7 +146,8 @@ def export_checkpoint(
                       output, saved.padded_vocab_size,
                       source_dir=source, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                       tokenizer_dir=saved.tokenizer_path, protected=protected,
-                      carried=models.carried(saved.hf_family, source))
+                      carried=models.carried(saved.hf_family, source),
+                      lora_base_precision=lora.base_precision if lora else None)
     return Path(output).expanduser().resolve()
 
 

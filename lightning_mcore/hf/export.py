@@ -131,6 +131,7 @@ def export_hf(
     tokenizer_dir: Optional[os.PathLike] = None,
     protected: Iterable = (),
     carried: tuple[str, ...] = (),
+    lora_base_precision: Optional[str] = None,
 ) -> Optional[Path]:
     """Write an HF directory at `out_dir` (config, weights, tokenizer); returns it on rank 0.
 
@@ -138,7 +139,9 @@ def export_hf(
     it may not hold or sit inside `source_dir` or the `protected` paths. `weights` is the
     family's weight table, `hf_config` the config.json to write (None: `source_dir`'s).
     Tokenizer files come from `source_dir`, else from `tokenizer_dir`; so do the tensors named
-    with a `carried` prefix (parts the model keeps but does not compute), copied unchanged."""
+    with a `carried` prefix (parts the model keeps but does not compute), copied unchanged.
+    `lora_base_precision` (a LoRA run's merged export): the base precision the adapters were
+    trained against ("fp8": merged into the dequantized base), noted in the export's marker."""
     out_dir = check_target(out_dir, overwrite, [source_dir, *protected])
     rank = dist.get_rank() if dist.is_initialized() else 0
     items = _items(chunks, cfg, weights)
@@ -157,7 +160,8 @@ def export_hf(
                   for src, lst in enumerate(everyone) for key, names, shapes, dt, stack in lst)
     _refuse_incomplete(weights, plan)
 
-    staging = staged_dir(out_dir, {"format": "transformers"}) if rank == 0 else contextlib.nullcontext()
+    note = {"format": "transformers", **({"lora_base_precision": lora_base_precision} if lora_base_precision else {})}
+    staging = staged_dir(out_dir, note) if rank == 0 else contextlib.nullcontext()
     with staging as tmp:
         if rank == 0:
             writer = _ShardWriter(tmp, max_shard_bytes)

@@ -184,7 +184,8 @@ def export_peft(chunks, cfg, weights: list[Entry], lora, out_dir, base_model: Op
     # PEFT matches modules by the last part of their HF name (q_proj, ...; the family's names).
     hf_targets = sorted({name.rsplit(".", 3)[-3] for name in tensors if name not in fused})
     targets = scoped_targets(scope, hf_targets) if scope and hf_targets else (hf_targets or None)
-    with staged_dir(out_dir, {"format": "peft"}) as tmp:
+    # the base the adapters were trained against (peft's own config has no field for it)
+    with staged_dir(out_dir, {"format": "peft", "lora_base_precision": lora.base_precision}) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                    use_rslora=lora.use_rslora, target_modules=targets,

@@ -67,6 +67,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_mcore.lora.config import TARGETS, LoRAConfig, LoRAError, adapts_experts, resolve_targets
 from lightning_mcore.lora.grouped import expert_weights, grouped_hook, is_grouped_linear
+from lightning_mcore.lora.quantized_base import QuantizationError, merge, quantize_module, unmerge
 from lightning_mcore.model.torch_experts import TorchGroupedMLP
 
 
@@ -214,9 +215,10 @@ def base_path(name: str) -> str:
     return name.replace("__", ".")
 
 
-def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -> None:
+def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -> dict[str, float]:
     """Freeze every base parameter (and MoE routing bias) and attach adapters to the targeted
-    layers."""
+    layers; with base_precision "fp8", quantize the adapted base weights (lora/quantized_base.py)
+    and return the relative error of each kind of them (collective then), else {}."""
     adapt_experts = adapts_experts(lora)
     targets = resolve_targets(lora.target_modules)
     for chunk in chunks:
@@ -247,6 +249,56 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
         chunk.add_module("lora", adapters)
     if lora.experts and chunks and not chunks[0].config.num_moe_experts:
         raise LoRAError("LoRA experts=True, but the model has no MoE experts; leave experts unset.")
+    return quantize_bases(chunks) if lora.base_precision == "fp8" else {}
+
+
+def quantize_bases(chunks) -> dict[str, float]:
+    """Hold every adapted base weight in FP8 (lora/quantized_base.py); returns the relative
+    Frobenius error against the loaded weights per kind ('linear_qkv', 'experts.linear_fc1',
+    ...), over all ranks (collective)."""
+    errors: dict[str, QuantizationError] = {}
+    done: set = set()
+    for name, adapter, model in adapters_of(chunks):
+        layer_index, path = _split(name)
+        kind = path.rsplit(".", 2)[-2] + "." + path.rsplit(".", 1)[-1] if adapter.expert else path.rsplit(".", 1)[-1]
+        group = None
+        if adapter.kind == "row":  # a shard holds part of each row: its max over the TP group
+            group = (parallel_state.get_expert_tensor_parallel_group() if adapter.expert
+                     else parallel_state.get_tensor_model_parallel_group())
+        for base, weight_name in adapter.bases:
+            module = _base_module(model, layer_index, base)
+            weight = getattr(module, weight_name)
+            if id(weight) in done:
+                continue
+            experts = _base_module(model, layer_index, base.split(".local_experts.")[0]) if adapter.expert else None
+            if isinstance(experts, TorchGroupedMLP):  # one block [E, out, in] read by the grouped GEMM
+                short = base.rsplit(".", 1)[-1]
+                params = [getattr(e, short).weight for e in experts.local_experts]
+                block = torch.stack([p.detach() for p in params])
+                record = quantize_module(experts, short, params, block, group)
+                done.update(id(p) for p in params)
+                errors.setdefault(kind, QuantizationError()).add(block, record)
+            elif is_grouped_linear(module):
+                raise LoRAError("LoRA base_precision='fp8' is not done for Transformer Engine's grouped "
+                                "experts yet: use moe_grouped_gemm_backend='torch' or base_precision='bf16'.")
+            else:
+                original = weight.detach().clone()
+                record = quantize_module(module, "weight", [weight], original, group)
+                done.add(id(weight))
+                errors.setdefault(kind, QuantizationError()).add(original, record)
+    return _relative_errors(errors)
+
+
+def _relative_errors(errors: dict) -> dict[str, float]:
+    """Each kind's relative error over all ranks (a kind's replicas count alike on both sides)."""
+    kinds = sorted(errors)
+    if torch.distributed.is_initialized():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, {k: (e.error, e.norm) for k, e in errors.items()})
+        kinds = sorted({k for part in everyone for k in part})
+        errors = {k: QuantizationError(sum(p[k][0] for p in everyone if k in p),
+                                       sum(p[k][1] for p in everyone if k in p)) for k in kinds}
+    return {k: errors[k].relative for k in kinds}
 
 
 def _check_experts(path: str, module, lora: LoRAConfig) -> None:
@@ -422,7 +474,8 @@ def adapters_of(chunks) -> list[tuple[str, LoRAAdapter, torch.nn.Module]]:
 def set_merged(chunks, merged: bool) -> None:
     """Merge scale * B A into every adapted base weight (the adapters then stop adding it), or
     unmerge: the base weights come back bit for bit from a host copy taken at merge time
-    (W + d - d is not W in floating point)."""
+    (W + d - d is not W in floating point). An FP8 base is merged into its dequantized weight,
+    as new data beside the codes, and unmerged by dropping that data."""
     for name, adapter, model in adapters_of(chunks):
         if adapter.merged == merged:
             continue
@@ -430,6 +483,12 @@ def set_merged(chunks, merged: bool) -> None:
         originals = []
         for i, (path, weight_name) in enumerate(adapter.bases):  # experts: one per local expert
             weight = getattr(_base_module(model, layer_index, path), weight_name)  # grouped: weight<e>
+            if getattr(weight, "quantized_base", None) is not None:  # FP8 base: the codes stay
+                if merged:
+                    merge(weight, adapter.delta(i if adapter.expert else None))
+                else:
+                    unmerge(weight)
+                continue
             if merged:
                 originals.append(weight.detach().to("cpu", copy=True))
                 weight.copy_((weight.float() + adapter.delta(i if adapter.expert else None)).to(weight.dtype))

@@ -36,6 +36,12 @@ def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False)
         raise LoRAPlanError(
             "LoRA experts=True, but the model has no MoE experts (num_moe_experts is not set): "
             "leave lora.experts unset (or False).", lora=("experts",), fields=("num_moe_experts",))
+    if lora.base_precision == "fp8" and uses_te:
+        raise LoRAPlanError(
+            "LoRA base_precision='fp8' runs on mcore's local layers (and torch's grouped experts) "
+            "only so far; this model is built with Transformer Engine's layers: set the model's "
+            "transformer_impl='local', or lora.base_precision='bf16'.",
+            lora=("base_precision",), fields=("transformer_impl",))
     if not adapts_experts(lora, model):
         return
     refuse_grouped_gemm_experts(lora, model, uses_te)

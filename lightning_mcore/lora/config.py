@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 # mcore module name -> (parallel kind, the HF names it fuses)
 TARGETS = {
@@ -64,8 +64,16 @@ class LoRAConfig:
     # gate/up/down_proj, all-linear); False keeps them frozen; True requires it (an error if
     # the targets name no expert linear).
     experts: Optional[bool] = None
+    # The frozen base weights LoRA adapts: "bf16" (the model's dtype, as loaded) or "fp8" (FP8
+    # e4m3 codes with one scale per output row, dequantized per call: lora/quantized_base.py).
+    # "nf4" is not done yet.
+    base_precision: Literal["bf16", "fp8", "nf4"] = "bf16"
 
     def __post_init__(self) -> None:
+        if self.base_precision not in ("bf16", "fp8"):
+            raise LoRAError(
+                f"LoRA base_precision {self.base_precision!r} is not supported yet: use 'bf16' "
+                f"(the base as loaded) or 'fp8' (e4m3 codes, a scale per output row).")
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise LoRAError(f"LoRA rank must be a positive int, got {self.rank!r}.")
         if not 0.0 <= self.dropout < 1.0:

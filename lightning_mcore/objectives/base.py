@@ -114,7 +114,12 @@ class MegatronModule(L.LightningModule):
         strategy = self._strategy()
         chunks = self._build_chunks(strategy)
         if self.lora is not None:
-            apply_lora(chunks, self.lora, strategy.seed)
+            errors = apply_lora(chunks, self.lora, strategy.seed)
+            if errors:  # an FP8 base: how far its dequantized weights are from the loaded ones
+                self.base_quantization_error = errors
+                rank_zero_info("LoRA base in fp8 (e4m3, a scale per output row); relative error "
+                               "against the loaded weights: "
+                               + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()) + ".")
             trainable = count_parameters(chunks, trainable_only=True)
             total = count_parameters(chunks)
             rank_zero_info(f"LoRA: {trainable:,} trainable parameters, {total:,} in the model "
@@ -180,7 +185,8 @@ class MegatronModule(L.LightningModule):
                              directory, padded,
                              source_dir=self.hf_path, max_shard_bytes=max_shard_bytes,
                              overwrite=overwrite, tokenizer_dir=self.tokenizer_path,
-                             protected=protected, carried=models.carried(self.hf_family, self.hf_path))
+                             protected=protected, carried=models.carried(self.hf_family, self.hf_path),
+                             lora_base_precision=self.lora.base_precision if self.lora else None)
         finally:
             set_merged(chunks, False)
 

@@ -334,7 +334,7 @@ def check_resumed_lora(path, saved, lora, model_config) -> None:
         return
     old = saved_lora(saved)
     differ = [f"{k}: checkpoint {getattr(old, k)!r} vs run {getattr(lora, k)!r}"
-              for k in ("rank", "alpha", "use_rslora") if getattr(old, k) != getattr(lora, k)]
+              for k in ("rank", "alpha", "use_rslora", "base_precision") if getattr(old, k) != getattr(lora, k)]
     if resolve_targets(old.target_modules) != resolve_targets(lora.target_modules):
         differ.append(f"target_modules: checkpoint {old.target_modules!r} vs run {lora.target_modules!r}")
     if adapts_experts(old, model_config) != adapts_experts(lora, model_config):

@@ -1,0 +1,230 @@
+"""LoRA over an FP8 frozen base (LoRAConfig.base_precision="fp8"): the base weights that LoRA
+adapts are held as float8_e4m3fn codes with one fp32 scale per output row, and turned back into
+the model's dtype for each call only.
+
+    codes  [out, in]  float8_e4m3fn   = round(W / s)         (saturating at +-448)
+    scales [out]      fp32            s = amax(|W row|) / 448 over the FULL row of the HF tensor
+
+A row of an mcore weight is a row of an HF weight (fused QKV and SwiGLU fc1 interleave whole
+rows), so column-parallel shards already hold full rows; a row-parallel shard holds a slice of
+each row and takes the row's max over its (expert-)TP group. Codes and scales are therefore the
+same numbers at any TP / EP / PP layout, and a resume, which loads the bf16 base again from the
+HF checkpoint, quantizes it again to the same codes (rounding is deterministic).
+
+How a base linear computes with them (dequantize on the fly, exact gradients for the
+dequantized weight W' = codes * s):
+
+    forward pre-hook   the weight parameter's data := W' (a fresh tensor, this call only);
+                       the owner's saved-tensor hooks are pushed
+    mcore's forward    unchanged (its TP communication, sequence parallel, the LoRA hook):
+                       y = x W'^T; autograd saves (x, W'): the pack hook stores W' as a
+                       reference to the codes, not as a tensor
+    forward hook       hooks popped; the parameter's data := a zero-stride placeholder
+                       (one element, the weight's shape), so W' is freed
+    backward           the unpack hook dequantizes again: grad x = g W' (the base is frozen:
+                       no weight gradient)
+
+So between forward and backward only codes (1 byte/element) stay alive, not a bf16 copy of every
+layer's weights. The pack hook hands every other tensor to the saved-tensor hooks that were
+active around the call (activation offloading, a measurement), so it composes with them.
+Torch's grouped experts (model/torch_experts.py) hold one block [E, out, in] of codes per linear;
+the hooks sit on the experts module and materialise the block as one tensor whose rows are the
+experts' weights, so the grouped GEMM still reads it in place.
+
+The parameters stay the model's (frozen, requires_grad=False): names, checkpoint keys and HF
+mappings unchanged; mcore's DDP and optimizer take only trainable ones (the adapters). Codes and
+scales are non-persistent buffers of the owning module (they move with it, are never saved:
+the base comes from the HF checkpoint). Merging (set_merged: merged export, generation) gives
+the parameter real data W' + scale B A; unmerging puts the placeholder back.
+
+Transformer Engine (GPU, not done yet: LoRA's plan check refuses fp8 with TE layers) can plug
+into the same record: its Linear / LayerNormLinear read `self.weight` (TEGroupedLinear:
+`weight<e>`) in forward, so the same pre-hook / placeholder / saved-tensor hooks work for a
+dequantize-on-the-fly path (TE saves the weight it computes with when it is not casting it). A
+real FP8 GEMM instead hands TE the codes and scales as a Float8Tensor (per-row scales need TE's
+blockwise/"Float8BlockScaling" recipe on Hopper, 1x128 blocks: quantize with that block shape
+there), and the input gradient then comes from TE's own FP8 backward GEMM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+@torch.no_grad()
+def quantize_rows(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of `weight` [..., out, in]: one scale per row, amax / 448 over the whole
+    row (its max taken over `group` when the rows are split across it: row-parallel)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=-1, keepdim=True)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # an all-zero row: codes 0
+    codes = (w / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes, scales.squeeze(-1)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes * scale per row, computed in fp32, in `dtype`."""
+    return (codes.float() * scales.unsqueeze(-1)).to(dtype)
+
+
+@dataclass
+class QuantizedWeights:
+    """The FP8 codes of frozen weights that one module computes with: a linear's `weight`, or
+    the rows of torch's grouped experts' [E, out, in] block (`params[e]`: expert e's weight).
+    Codes and scales are the owner's buffers `<name>_fp8` and `<name>_scale`."""
+
+    owner: torch.nn.Module
+    name: str
+    params: list
+    dtype: torch.dtype
+    shape: tuple  # of the codes: [out, in] or [E, out, in]
+    merged: bool = False  # the params hold real data (set_merged), the hooks leave them be
+    live: list = field(default_factory=list)  # the materialisations of calls in progress
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return getattr(self.owner, f"{self.name}_fp8")
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return getattr(self.owner, f"{self.name}_scale")
+
+    def values(self, index: Optional[int] = None) -> torch.Tensor:
+        """The dequantized weight (of expert `index` for a block), a new tensor."""
+        if index is None:
+            return dequantize(self.codes, self.scales, self.dtype)
+        return dequantize(self.codes[index], self.scales[index], self.dtype)
+
+    def index_of(self, param) -> Optional[int]:
+        return None if len(self.shape) == 2 else next(i for i, p in enumerate(self.params) if p is param)
+
+    def materialize(self) -> torch.Tensor:
+        """Give the params the dequantized values for one call; returns the tensor they view."""
+        full = self.values()
+        for i, p in enumerate(self.params):
+            p.data = full if len(self.shape) == 2 else full[i]
+        return full
+
+    def release(self) -> None:
+        """Back to the placeholder: the params hold one element each, the codes everything."""
+        for p in self.params:
+            p.data = placeholder(p.shape, self.dtype, self.codes.device)
+
+
+def placeholder(shape, dtype, device) -> torch.Tensor:
+    """A weight-shaped tensor of one element (zero strides): shape-reading code works, writing
+    into it fails, and it holds no memory."""
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
+
+
+class _Packed:
+    """A saved weight as autograd keeps it: its quantized record and its view of the call's
+    dequantized tensor; unpacked by dequantizing once per backward node (experts: E views)."""
+
+    def __init__(self, record: QuantizedWeights, view: tuple, cache: dict) -> None:
+        self.record, self.view, self.cache = record, view, cache  # cache: shared by one call's views
+
+
+class _CallHooks:
+    """The saved-tensor hooks of one call of a quantized module: a saved tensor in the storage
+    of the call's dequantized weight is packed as a reference to the codes; any other goes to
+    the hooks that were active outside (or is kept as it is)."""
+
+    def __init__(self, record: QuantizedWeights, full: torch.Tensor) -> None:
+        self.record, self.storage = record, full.untyped_storage().data_ptr()
+        self.cache: dict = {}
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # torch's own stack
+        self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        if t.numel() and t.untyped_storage().data_ptr() == self.storage:
+            return _Packed(self.record, (tuple(t.size()), tuple(t.stride()), t.storage_offset()), self.cache)
+        return self.outer[0](t) if self.outer else t
+
+    def unpack(self, packed):
+        if isinstance(packed, _Packed):
+            if "full" not in packed.cache:
+                packed.cache["full"] = packed.record.values()
+            return packed.cache["full"].as_strided(*packed.view)
+        return self.outer[1](packed) if self.outer else packed
+
+
+def _pre_hook(record: QuantizedWeights):
+    """Materialise and push the call's hooks; the forward hook pops them (a forward that raises
+    leaves them pushed: the step fails anyway)."""
+
+    def hook(module, args):
+        if record.merged:
+            return
+        call = _CallHooks(record, record.materialize())
+        call.context.__enter__()
+        record.live.append(call)
+
+    return hook
+
+
+def _post_hook(record: QuantizedWeights):
+    def hook(module, args, output):
+        if record.live:
+            record.live.pop().context.__exit__(None, None, None)
+            if not record.live:
+                record.release()
+
+    return hook
+
+
+@torch.no_grad()
+def quantize_module(owner: torch.nn.Module, name: str, params: list, weight: torch.Tensor,
+                    group=None) -> QuantizedWeights:
+    """Quantize `weight` ([out, in], or the [E, out, in] block `params` view) into buffers of
+    `owner`, free the params' data and hook `owner`'s calls (module docstring)."""
+    codes, scales = quantize_rows(weight, group)
+    owner.register_buffer(f"{name}_fp8", codes, persistent=False)
+    owner.register_buffer(f"{name}_scale", scales, persistent=False)
+    record = QuantizedWeights(owner, name, params, weight.dtype, tuple(codes.shape))
+    for p in params:
+        p.quantized_base = record
+    record.release()
+    owner.register_forward_pre_hook(_pre_hook(record), prepend=True)
+    owner.register_forward_hook(_post_hook(record))
+    return record
+
+
+@torch.no_grad()
+def merge(param, delta: torch.Tensor) -> None:
+    """Give a quantized `param` real data: its dequantized weight + `delta` (set_merged)."""
+    record: QuantizedWeights = param.quantized_base
+    param.data = (record.values(record.index_of(param)).float() + delta).to(record.dtype)
+    record.merged = True
+
+
+def unmerge(param) -> None:
+    param.quantized_base.merged = False
+    param.quantized_base.release()
+
+
+@dataclass
+class QuantizationError:
+    """sum |W - W'|^2 and sum |W|^2 of one kind of weight (over this rank's)."""
+
+    error: float = 0.0
+    norm: float = 0.0
+
+    def add(self, weight: torch.Tensor, record: QuantizedWeights) -> None:
+        w = weight.detach().float()
+        self.error += float((w - record.values().float()).square().sum())
+        self.norm += float(w.square().sum())
+
+    @property
+    def relative(self) -> float:
+        return math.sqrt(self.error / self.norm) if self.norm else 0.0
