@@ -7,6 +7,7 @@ Bytes per parameter, as mcore allocates them (grad_reduce_in_fp32, strategy/mega
     bf16, trained        2          4        12 / shards  (fp32 master only for bf16 weights)
     fp32, trained        4          4         8 / shards
     frozen (LoRA base)   2 or 4     -         -
+    frozen, FP8 base     1 + 4 per row (its scale), + the largest weight dequantized for a call
 
 shards: the data-parallel x context-parallel ranks (routed experts: the expert data-parallel
 ranks) with the distributed optimizer, else 1; `cpu_offload` keeps 1 - offload_fraction of
@@ -55,7 +56,9 @@ def stage_plan(inputs: PlanInputs, stage: int) -> MemoryPlan:
     last = stage == inputs.parallel.pipeline_model_parallel_size - 1
     activations = (stage_activation_elements(inputs, stage) + embedding_elements(inputs, stage)) * width
     return MemoryPlan(
-        stage=stage, parameters=params, weights=params.total * width,
+        stage=stage, parameters=params,
+        weights=(params.total - params.quantized) * width + params.quantized + params.scales * 4
+        + params.largest_quantized * width,
         gradients=params.trainable * 4, optimizer=optimizer_bytes(inputs, params),
         activations=int(activations),
         # the logits in the weights' dtype and the loss's fp32 softmax of them (mcore's native loss)

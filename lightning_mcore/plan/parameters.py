@@ -31,9 +31,17 @@ class ParameterCount:
     dense: int = 0
     experts: int = 0
     frozen: int = 0
+    # LoRA over an FP8 base (lora/quantized_base.py): the frozen weights held as 1-byte codes, their
+    # fp32 row scales (buffers, not parameters), and the largest weight (a linear, or a layer's
+    # [E, out, in] experts block) dequantized for one call
+    quantized: int = 0
+    scales: int = 0
+    largest_quantized: int = 0
 
     def __add__(self, other: "ParameterCount") -> "ParameterCount":
-        return ParameterCount(self.dense + other.dense, self.experts + other.experts, self.frozen + other.frozen)
+        return ParameterCount(self.dense + other.dense, self.experts + other.experts, self.frozen + other.frozen,
+                              self.quantized + other.quantized, self.scales + other.scales,
+                              max(self.largest_quantized, other.largest_quantized))
 
     @property
     def trainable(self) -> int:
@@ -93,7 +101,20 @@ def _layer(inputs: PlanInputs, layer: int) -> ParameterCount:
         experts = sum(e * (o * i + (o if b else 0)) for e, o, i, b in lin.experts.values())
         return ParameterCount(dense=base - experts, experts=experts)
     dense, experts = _adapters(inputs, lin)
-    return ParameterCount(dense=dense, experts=experts, frozen=base)
+    return ParameterCount(dense=dense, experts=experts, frozen=base) + _quantized(inputs, lin)
+
+
+def _quantized(inputs: PlanInputs, lin: _Linears) -> ParameterCount:
+    """The targeted linears' weights an FP8 base holds as codes (biases stay in the weights' dtype)."""
+    lora = inputs.lora
+    if lora.base_precision != "fp8":
+        return ParameterCount()
+    targets = resolve_targets(lora.target_modules)
+    blocks = [(1, out, inp) for name, (out, inp, _) in lin.dense.items() if name.rsplit(".", 1)[-1] in targets]
+    if lin.experts and adapts_experts(lora, inputs.model):
+        blocks += [(local, out, inp) for name, (local, out, inp, _) in lin.experts.items() if name in targets]
+    return ParameterCount(quantized=sum(e * o * i for e, o, i in blocks), scales=sum(e * o for e, o, _ in blocks),
+                          largest_quantized=max((e * o * i for e, o, i in blocks), default=0))
 
 
 def _linears(inputs: PlanInputs, layer: int) -> _Linears:
