@@ -5,31 +5,20 @@ written out by hand; and its LoRA trains the adapters only, the experts' include
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from forked_process import ForkedProcess
+from hf_fsdp2_masked import MaskedRows
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the benchmark scripts import each other by name
-import bench_pretrain  # noqa: E402
 import hf_baseline  # noqa: E402
-import hf_fsdp2  # noqa: E402
 
 SEQ, GBS, STEPS, LR = 32, 4, 2, 1e-3
-
-
-class MaskedRows(bench_pretrain.RandomTokens):
-    """bench_pretrain's rows with about 40% of the tokens out of the loss, so that ranks and micro
-    batches count different tokens: only the global batch's count gives the full-batch loss."""
-
-    def __getitem__(self, i: int):
-        row = super().__getitem__(i)
-        row["loss_mask"] = (torch.rand(self.seq, generator=torch.Generator().manual_seed(10_000 + i)) > 0.4).float()
-        return row
 
 
 def free_port() -> int:
@@ -39,21 +28,20 @@ def free_port() -> int:
 
 
 def run_ranks(tmp_path: Path, args: list[str], world: int = 2) -> dict:
-    """hf_fsdp2.main(args) on `world` forked gloo ranks, MaskedRows as its data; rank 0's dump."""
+    """hf_fsdp2.main(args) on `world` gloo ranks (tests/hf_fsdp2_masked.py: MaskedRows as its
+    data), each a fresh interpreter; rank 0's dump."""
     dump = tmp_path / "dump.pt"
-    argv = ["hf_fsdp2.py", *args, "--seq", str(SEQ), "--gbs", str(GBS), "--steps", str(STEPS), "--warmup", "1",
+    argv = [*args, "--seq", str(SEQ), "--gbs", str(GBS), "--steps", str(STEPS), "--warmup", "1",
             "--lr", str(LR), "--precision", "fp32", "--dump", str(dump)]
-
-    def body():
-        hf_fsdp2.RandomTokens = MaskedRows  # in the forked rank only
-        hf_fsdp2.main(argv[1:])
-
     port = free_port()
-    ranks = [ForkedProcess(body, argv, env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
-                                            "MASTER_ADDR": "localhost", "MASTER_PORT": str(port),
-                                            "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
+    script = Path(__file__).parent / "hf_fsdp2_masked.py"
+    ranks = [subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r),
+                                              "WORLD_SIZE": str(world), "MASTER_ADDR": "localhost",
+                                              "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore",
+                                              "CUDA_VISIBLE_DEVICES": ""})
              for r in range(world)]
-    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
     for rank, (out, err) in zip(ranks, outputs):
         assert rank.returncode == 0, f"rank exited {rank.returncode}:\n{out}\n{err[-3000:]}"
     assert '"impl": "hf-fsdp2"' in outputs[0][0]  # rank 0's RESULT line
