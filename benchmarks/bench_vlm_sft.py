@@ -174,7 +174,8 @@ def ours(args) -> None:
 
     strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1, use_distributed_optimizer=CUDA,
                                 tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1)
-    trainer = L.Trainer(accelerator="gpu" if CUDA else "cpu", devices=args.tp, strategy=strategy, precision="bf16-mixed",
+    devices = args.tp * args.dp
+    trainer = L.Trainer(accelerator="gpu" if CUDA else "cpu", devices=devices, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()])
     module = VisionLanguageSFTModule(args.model, OptimizerSettings(lr=1e-4, warmup_steps=2),
@@ -182,13 +183,13 @@ def ours(args) -> None:
                                      lora=None if args.full else LoRAConfig(target_modules="all-linear", rank=args.rank,
                                                                             alpha=2.0 * args.rank))
     data = PackedRows(config, args.gbs * args.steps, per_row, args.seq, args.text, tuple(args.grid))
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=args.gbs))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=args.gbs // args.dp))  # each DP rank its share
     steady = times[UNTIMED_STEPS:]
     if trainer.global_rank == 0:
         t, h, w = args.grid
-        result(args, "ours", sum(steady) / len(steady), args.gbs * per_row * sample_len // args.tp,
-               args.gbs * per_row * t * h * w // args.tp, config,
-               {"samples_per_row": per_row, "gbs_rows": args.gbs, "tp": args.tp, "full": args.full})
+        result(args, "ours", sum(steady) / len(steady), args.gbs * per_row * sample_len // devices,
+               args.gbs * per_row * t * h * w // devices, config,
+               {"samples_per_row": per_row, "gbs_rows": args.gbs, "tp": args.tp, "dp": args.dp, "full": args.full})
 
 
 def hf(args) -> None:
@@ -230,7 +231,7 @@ def hf(args) -> None:
            per_step * t * h * w, config, {"micro_batch": args.micro_batch, "samples_per_step": per_step})
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["make", "ours", "hf"])
     ap.add_argument("--out", default="/tmp/vl7b")
@@ -244,11 +245,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1, help="ours: data-parallel ranks (devices = tp x dp)")
     ap.add_argument("--full", action="store_true",
                     help="ours: full fine-tuning (vision encoder included, distributed optimizer) instead of LoRA")
     ap.add_argument("--micro-batch", type=int, default=1, help="samples per HF forward")
     ap.add_argument("--compile", action="store_true", help="HF: torch.compile the language model")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.gbs % args.dp:
+        ap.error(f"--gbs {args.gbs} rows must divide over --dp {args.dp}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     {"make": make, "ours": ours, "hf": hf}[args.what](args)
 
 

@@ -21,6 +21,9 @@
 #               target_parameters: eager at 1, 2, 4; checkpointed at 4 (peft's parametrized experts break the
 #               compiled graph: hf_fsdp2.py's docstring)
 #   pairlora30  ours (EP=NGPU) and HF at the sweep's best (HFLORA30), twice
+#   vlm         Qwen2.5-VL-7B LoRA r16 (issue 47 part 2): ours data-parallel on NGPU GPUs (TP=1; the TP=2 + SP run
+#               was 0.43x HF per GPU, RESULTS.md session 9) and HF + peft compiled at micro batch 4 on one GPU, the
+#               same 16 samples of 1,022 tokens (one 392x392 image each) a step; interleaved, twice
 #   profile CASE  CASE = 30b, 8b, lora8b or lora30: torch.profiler tables of steps 10-12, one file per rank,
 #               in $OUT/${TAG}_profile_CASE/{hf,ours}/rank{N}.txt (ours for the full-FT cases only)
 # A pair stage without its sweep's file uses the settings written below as fallbacks (the memory estimate's
@@ -93,6 +96,15 @@ run() {  # label, environment, seconds it needs at least, script, its arguments
     | tee -a "$LOG" | grep '^RESULT' | sed "s/^RESULT {/{\"label\": \"$label\", /" >> "$JSONL"
 }
 hf() { local label=$1 need=$2; shift 2; run "$label" "$HF_ENV" "$need" hf_fsdp2.py "$@"; }
+one_gpu() {  # label, seconds it needs at least, script, its arguments: one process on GPU 0
+  local label=$1 need=$2 script=$3; shift 3
+  if [ -n "${DRY_RUN:-}" ]; then echo "1 $script $*" >> "$DRY_RUN"; return; fi
+  local left=$((deadline - SECONDS))
+  if [ $left -lt "$need" ]; then echo "skipped $label: $left s left, it needs $need" | tee -a "$LOG"; return; fi
+  echo "== $label ($left s left): $script $*" >> "$LOG"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 15 $((left - 15)) python "benchmarks/$script" "$@" 2>&1 \
+    | tee -a "$LOG" | grep '^RESULT' | sed "s/^RESULT {/{\"label\": \"$label\", /" >> "$JSONL"
+}
 ours() { local label=$1 need=$2 script=$3; shift 3; run "$label" "$OURS_ENV" "$need" "$script" "$@"; }
 best() {  # the sweep stage's fastest HF settings, or the fallback
   [ -n "${DRY_RUN:-}" ] && { echo "$2"; return; }
@@ -152,6 +164,13 @@ case $stage in
       hf "hf#$k" 150 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $PAIR $HFLORA30
     done
     ratios "ours-ep$NGPU" ;;
+  vlm)
+    [ -n "${DRY_RUN:-}" ] || [ -f /tmp/vl7b/config.json ] || python benchmarks/bench_vlm_sft.py make --out /tmp/vl7b >> "$LOG" 2>&1
+    for k in 1 2; do
+      ours "ours-dp$NGPU#$k" 120 bench_vlm_sft.py ours --model /tmp/vl7b --dp "$NGPU" --gbs 4 --steps 8
+      one_gpu "hf#$k" 120 bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 4 --compile --steps 8
+    done
+    ratios "ours-dp$NGPU" ;;
   profile)  # steps 10-12 of each side (rank files under $OUT/${TAG}_profile_CASE/)
     P="--steps 13 --warmup 10"
     dir=$OUT/${TAG}_profile_$case_

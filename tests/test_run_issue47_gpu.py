@@ -15,17 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark scripts import each other by name
 import bench_lora_sft  # noqa: E402
 import bench_pretrain  # noqa: E402
+import bench_vlm_sft  # noqa: E402
 import hf_fsdp2  # noqa: E402
 import issue47_summary  # noqa: E402
 
 STAGES = ["sweep30", "pair30", "sweep8b", "pair8b", "sweeplora8b", "pairlora8b", "sweeplora30", "pairlora30",
           "profile 30b", "profile 8b", "profile lora8b", "profile lora30"]
 PARSERS = {"hf_fsdp2.py": hf_fsdp2.parse_args, "bench_pretrain.py": bench_pretrain.parse_args,
-           "bench_lora_sft.py": bench_lora_sft.parse_args}
+           "bench_lora_sft.py": bench_lora_sft.parse_args, "bench_vlm_sft.py": bench_vlm_sft.parse_args}
 
 
-def dry_run(stage: str, gpus: int, tmp_path: Path) -> list[tuple[str, object]]:
-    """The stage's commands as (script, parsed arguments)."""
+def dry_run(stage: str, gpus: int, tmp_path: Path, one_gpu: tuple = ()) -> list[tuple[str, object]]:
+    """The stage's commands as (script, parsed arguments); `one_gpu`: scripts run as one process."""
     listing = tmp_path / f"{stage.replace(' ', '_')}_{gpus}.txt"
     env = {**os.environ, "DRY_RUN": str(listing), "NGPU": str(gpus), "OUT": str(tmp_path)}
     done = subprocess.run(["bash", "benchmarks/run_issue47_gpu.sh", *stage.split()], cwd=ROOT, env=env,
@@ -34,7 +35,7 @@ def dry_run(stage: str, gpus: int, tmp_path: Path) -> list[tuple[str, object]]:
     commands = []
     for line in listing.read_text().splitlines():
         n, script, *argv = line.split()
-        assert int(n) == gpus
+        assert int(n) == (1 if script in one_gpu and " hf " in f" {' '.join(argv)} " else gpus), line
         with mock.patch.dict(os.environ, {"WORLD_SIZE": n}):
             commands.append((script, PARSERS[script](argv)))  # an argparse error exits 2: the test fails
     return commands
@@ -60,6 +61,21 @@ def test_every_command_parses_and_pairs_match(gpus, tmp_path):
             else:
                 assert "lora" not in stage and args.impl == "lightning"
                 assert (args.ep == gpus) == (args.shape == "qwen3-30b-a3b")
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_vlm_stage_pairs_the_same_samples(gpus, tmp_path):
+    """Ours data-parallel on every GPU (LoRA, TP=1), HF + peft compiled on one GPU, interleaved,
+    with the same samples (text, image grid, sequence) and as many of them per step."""
+    commands = dry_run("vlm", gpus, tmp_path, one_gpu=("bench_vlm_sft.py",))
+    ours = [a for _, a in commands if a.what == "ours"]
+    hf = [a for _, a in commands if a.what == "hf"]
+    assert [a.what for _, a in commands] == ["ours", "hf"] * 2
+    for args in ours:
+        assert (args.dp, args.tp, args.full) == (gpus, 1, False)
+    for args in hf:
+        assert args.compile and args.micro_batch == 4
+    assert len({(a.seq, a.text, tuple(a.grid), a.rank, a.gbs, a.steps) for a in ours + hf}) == 1
 
 
 def test_summary_picks_the_fastest_run_and_divides_pairs():
