@@ -50,14 +50,14 @@ def by_hand(w: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
 
 
-def dequantized_copy(source: Path, dest: Path) -> dict:
-    """`source` with its adapted weights replaced by W' (config and tokenizer-less files copied);
-    returns {kind: relative Frobenius error} as our report names the kinds."""
+def dequantized_copy(source: Path, dest: Path, hand=by_hand) -> dict:
+    """`source` with its adapted weights replaced by W' = hand(W) (config and tokenizer-less files
+    copied); returns {kind: relative Frobenius error} as our report names the kinds."""
     dest.mkdir()
     tensors, sums = load_file(source / "model.safetensors"), {}
     for name, w in tensors.items():
         if name.rsplit(".", 2)[-2] in ADAPTED and name.endswith(".weight"):
-            tensors[name] = by_hand(w)
+            tensors[name] = hand(w)
             sums.setdefault(kind_of(name), []).append((w, tensors[name]))
     save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
     for f in source.glob("*.json"):
@@ -106,34 +106,43 @@ def _adapted_weights(chunk) -> list:
     return out
 
 
-@pytest.mark.parametrize("experts", [{}, dict(num_moe_experts=4, moe_ffn_hidden_size=32, **TORCH_EXPERTS)],
-                         ids=["dense", "torch_experts"])
+EXPERTS = dict(num_moe_experts=4, moe_ffn_hidden_size=64, **TORCH_EXPERTS)  # 64: whole NF4 blocks
+
+
+@pytest.mark.parametrize("experts", [{}, EXPERTS], ids=["dense", "torch_experts"])
 def test_fp8_base_computes_with_the_codes_and_saves_no_weight(experts):
+    computes_with_the_codes_and_saves_no_weight(experts, "fp8", by_hand)
+
+
+def computes_with_the_codes_and_saves_no_weight(experts: dict, precision: str, hand) -> None:
+    """A `precision` base's loss and adapter gradients equal a bf16 model's whose base is `hand`'s
+    dequantized weights, bit for bit; autograd saves no base weight."""
     cfg = tiny_config(num_layers=2, **experts)
     tokens = torch.randint(0, 500, (1, 5), generator=torch.Generator().manual_seed(1))
     got = {}
     with single_process_megatron():
-        for precision in ("fp8", "bf16"):
+        for base in (precision, "bf16"):
             chunk = _chunk(cfg, torch.bfloat16)
             apply_lora([chunk], LORA, seed=0)
             weights = _adapted_weights(chunk)
             with torch.no_grad():
-                for w in weights:  # the reference: W' by hand; the fp8 model: W (quantized below)
-                    w.copy_(by_hand(w).to(w.dtype) if precision == "bf16" else w)
+                for w in weights:  # the reference: W' by hand; the quantized model: W (quantized below)
+                    w.copy_(hand(w).to(w.dtype) if base == "bf16" else w)
                 for adapter in chunk.lora.values():  # B != 0: A's gradient too
                     adapter.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
             shapes = {(tuple(w.shape), w.dtype) for w in weights}
             weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-            if precision == "fp8":
+            if base == precision:
                 from lightning_mcore.lora.adapters import quantize_bases
+                from lightning_mcore.lora.quantized_base import CODECS
 
-                quantize_bases([chunk])
+                quantize_bases([chunk], CODECS[precision])
                 assert all(w.stride() == (0, 0) for w in weights)  # no memory between calls
             loss, saved = _saved_during(chunk, tokens)
             loss.backward()
             grads = {n: p.grad.float().clone() for n, p in chunk.named_parameters() if p.requires_grad}
-            got[precision] = (loss.detach().float(), grads, saved, weight_bytes, shapes)
-    (loss8, grads8, saved8, _, shapes), (loss, grads, saved, weight_bytes, _) = got["fp8"], got["bf16"]
+            got[base] = (loss.detach().float(), grads, saved, weight_bytes, shapes)
+    (loss8, grads8, saved8, _, shapes), (loss, grads, saved, weight_bytes, _) = got[precision], got["bf16"]
     assert grads8.keys() == grads.keys() and all(k.startswith("lora.") for k in grads)
     torch.testing.assert_close(loss8, loss, rtol=0, atol=0)
     for name, g in grads.items():
@@ -141,21 +150,23 @@ def test_fp8_base_computes_with_the_codes_and_saves_no_weight(experts):
         torch.testing.assert_close(grads8[name], g, rtol=0, atol=0, msg=name)
     kept = [b for shape, dtype, b in saved if (shape, dtype) in shapes]
     # the reference keeps every weight on a gradient's path (not the first linear's: its input,
-    # the frozen embedding's, needs none), the FP8 model none, and nothing else changes
+    # the frozen embedding's, needs none), the quantized model none, and nothing else changes
     assert weight_bytes > sum(kept) > weight_bytes / 2, (kept, weight_bytes)
     assert not [s for s in saved8 if (s[0], s[1]) in shapes], "a dequantized weight was saved"
     assert sum(b for *_, b in saved) - sum(b for *_, b in saved8) == sum(kept)
 
 
-def test_unsupported_base_precisions_are_refused():
-    with pytest.raises(LoRAError, match="base_precision 'nf4' is not supported yet: use 'bf16'"):
-        LoRAConfig(base_precision="nf4")
+@pytest.mark.parametrize("precision", ["fp8", "nf4"])
+def test_unsupported_base_precisions_are_refused(precision):
+    with pytest.raises(LoRAError, match="base_precision 'int4' is not supported: use 'bf16'"):
+        LoRAConfig(base_precision="int4")
     from lightning_mcore.lora.checks import LoRAPlanError, check_lora_plan
 
-    with pytest.raises(LoRAPlanError, match="transformer_impl='local'") as info:
-        check_lora_plan(FP8, tiny_config(), uses_te=True)
+    lora = LoRAConfig(base_precision=precision)
+    with pytest.raises(LoRAPlanError, match=f"base_precision='{precision}' runs on .* transformer_impl='local'") as info:
+        check_lora_plan(lora, tiny_config(), uses_te=True)
     assert info.value.lora == ("base_precision",)
-    check_lora_plan(FP8, tiny_config(), uses_te=False)
+    check_lora_plan(lora, tiny_config(), uses_te=False)
 
 
 # ---------------------------------------------------------------- across layouts
