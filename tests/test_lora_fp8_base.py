@@ -29,6 +29,7 @@ from lightning_mcore.lora.config import LoRAConfig, LoRAError
 from lightning_mcore.model.build import build_chunks
 from lightning_mcore.model.config import to_transformer_config
 from lightning_mcore.strategy.parallel import ParallelConfig
+from readme import commands, run, section, user_dir
 from test_lora import TOKENS, Probe, peft_and_merged_match
 from test_lora_experts_resume import adapters as saved_adapters
 from test_lora_experts_resume import run as run_with_checkpoints
@@ -204,17 +205,37 @@ def train(tmp: Path, name: str, source: Path, lora: LoRAConfig, devices: int = 1
 
 @pytest.mark.distributed
 def test_fp8_base_equals_dequantized_reference_across_layouts(tmp_path):
+    hand_errors, relative = equals_dequantized_reference_across_layouts(tmp_path, FP8, by_hand)
+    # the quantization error: within e4m3's rounding, and what it does to the base model's logits
+    # (the adapters start at B = 0)
+    for kind, error in hand_errors.items():
+        assert 0 < error < E4M3_BOUND, kind
+    print(f"FP8 base: weights' relative error {hand_errors}; the base logits' {relative:.4f}")
+    # each residual branch (attention, MLP) runs two quantized linears in series, each within
+    # 2^-4; the branches' roundings are independent and add to one residual stream, so they do
+    # not add up linearly: 2 * 2^-4 bounds the logits (measured: 0.049)
+    assert 0 < relative < 2 * E4M3_BOUND
+
+
+def equals_dequantized_reference_across_layouts(tmp_path: Path, lora: LoRAConfig, hand, pp2: bool = True,
+                                                **sizes):
+    """The tiny Qwen2-MoE (config fields `sizes` changed) trained with `lora` at TP=1, TP=2, EP=2
+    and PP=2 (if `pp2`) equals the reference run on its copy dequantized by `hand`; every run
+    reports the hand-computed error; the TP=2 run's exports match peft on the dequantized base
+    and say lora.base_precision. Returns the hand errors by kind and the first logits' relative error
+    against the unquantized HF model."""
     source, dequantized = tmp_path / "source", tmp_path / "dequantized"
-    hf = make_hf_model("qwen2_moe", source)
-    hand_errors = dequantized_copy(source, dequantized)
+    hf = make_hf_model("qwen2_moe", source, **sizes)
+    hand_errors = dequantized_copy(source, dequantized, hand)
     ref_losses, ref_adapters, ref = train(tmp_path, "ref", dequantized, LORA)
     ref_logits = torch.load(ref / "logits.pt")
     assert ref_losses[0] - ref_losses[-1] > 1e-2, ref_losses
-    runs = {"tp1": train(tmp_path, "tp1", source, FP8),
-            "tp2": train(tmp_path, "tp2", source, FP8, 2, export=True, tensor_model_parallel_size=2,
+    runs = {"tp1": train(tmp_path, "tp1", source, lora),
+            "tp2": train(tmp_path, "tp2", source, lora, 2, export=True, tensor_model_parallel_size=2,
                          sequence_parallel=True),  # MoE at TP=2 needs SP; experts at expert-TP 2
-            "pp2": train(tmp_path, "pp2", source, FP8, 2, pipeline_model_parallel_size=2),
-            "ep2": train(tmp_path, "ep2", source, FP8, 2, overrides=TORCH_EXPERTS, expert_model_parallel_size=2)}
+            "ep2": train(tmp_path, "ep2", source, lora, 2, overrides=TORCH_EXPERTS, expert_model_parallel_size=2)}
+    if pp2:
+        runs["pp2"] = train(tmp_path, "pp2", source, lora, 2, pipeline_model_parallel_size=2)
     for name, (losses, adapters, out) in runs.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), name
         torch.testing.assert_close(torch.load(out / "logits.pt"), ref_logits, rtol=0, atol=1e-5, msg=name)
@@ -222,28 +243,23 @@ def test_fp8_base_equals_dequantized_reference_across_layouts(tmp_path):
         for key, value in ref_adapters.items():
             torch.testing.assert_close(adapters[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
 
-    # the quantization error: reported as computed by hand, within e4m3's rounding, and what it
-    # does to the base model's logits (the adapters start at B = 0)
     reported = json.loads((runs["tp1"][2] / "error.json").read_text())
     assert reported.keys() == hand_errors.keys()
     for kind, error in hand_errors.items():
-        assert reported[kind] == pytest.approx(error, rel=1e-4) and 0 < error < E4M3_BOUND, kind
-    assert json.loads((runs["tp2"][2] / "error.json").read_text()) == pytest.approx(reported, rel=1e-6)
+        assert reported[kind] == pytest.approx(error, rel=1e-4), kind
+    for name in ("tp2", "ep2"):
+        assert json.loads((runs[name][2] / "error.json").read_text()) == pytest.approx(reported, rel=1e-6), name
     exact = hf_logits(hf, TOKENS)
     first = torch.load(runs["tp1"][2] / "first_logits.pt")
-    relative = float((first - exact).norm() / exact.norm())
-    print(f"FP8 base: weights' relative error {reported}; the base logits' {relative:.4f}")
-    # each residual branch (attention, MLP) runs two quantized linears in series, each within
-    # 2^-4; the branches' roundings are independent and add to one residual stream, so they do
-    # not add up linearly: 2 * 2^-4 bounds the logits (measured: 0.049)
-    assert 0 < relative < 2 * E4M3_BOUND
 
     # exports: peft's adapter on the dequantized base gives our logits; merged = its merge
     out = runs["tp2"][2]
     assert json.loads((out / "facts.json").read_text())["base_unchanged"]
     peft_and_merged_match(dequantized, out, torch.load(out / "logits.pt"))
     for kind in ("peft", "merged"):
-        assert json.loads((out / kind / "lightning_mcore_export.json").read_text())["lora_base_precision"] == "fp8"
+        export = json.loads((out / kind / "lightning_mcore_export.json").read_text())
+        assert export["lora_base_precision"] == lora.base_precision, kind
+    return hand_errors, float((first - exact).norm() / exact.norm())
 
 
 @pytest.mark.distributed
@@ -278,13 +294,17 @@ def test_docs_fp8_config_trains_and_exports_merged(tmp_path):
     """docs/lora.md's commands, verbatim: the FP8 base is reported, the checkpoint holds the
     adapters only, and the export command (which rebuilds and quantizes the base) writes the
     merged model, marked fp8."""
-    from readme import commands, run, section, user_dir
+    docs_config_trains_and_exports_merged(tmp_path, section("LoRA over an FP8 base", "lora.md"), "fp8", "sft_lora_fp8")
 
+
+def docs_config_trains_and_exports_merged(tmp_path: Path, text: str, precision: str, run_name: str) -> None:
+    """A docs section's `text`: its fit command reports the `precision` base, its export writes
+    runs/`run_name`/merged, marked `precision`."""
     work = user_dir(tmp_path)
-    fit_argv, export_argv = commands(section("LoRA over an FP8 base", "lora.md"))
+    fit_argv, export_argv = commands(text)
     trained = run(fit_argv, work)
-    assert "LoRA base in fp8" in trained.stdout + trained.stderr
+    assert f"LoRA base in {precision}" in trained.stdout + trained.stderr
     run(export_argv, work)
-    merged = work / "runs" / "sft_lora_fp8" / "merged"
-    assert json.loads((merged / "lightning_mcore_export.json").read_text())["lora_base_precision"] == "fp8"
+    merged = work / "runs" / run_name / "merged"
+    assert json.loads((merged / "lightning_mcore_export.json").read_text())["lora_base_precision"] == precision
     assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))

@@ -6,14 +6,13 @@ each block of 64 inputs scaled by its absmax, every element the nearest codebook
   - the codec's dequantized values are those; two codes a byte, the first in the high nibble;
   - a model's logits and adapter gradients equal a bf16 model's whose base is that (dense layers
     and torch's grouped experts), and autograd saves no base weight (test_lora_fp8_base's check);
-  - on a tiny Qwen2-MoE whose shards hold whole blocks, 3 SGD steps at TP=1, TP=2, PP=2 and EP=2
+  - on a tiny Qwen2-MoE whose shards hold whole blocks, 3 SGD steps at TP=1, TP=2 and EP=2
     (torch's grouped experts) equal the reference run on the hand-dequantized HF checkpoint; the
     reported error is the hand one, larger than FP8's on the same weights and within NF4's
     bound; peft and the merged export reproduce the logits and say "nf4";
   - a TP=2 run resumed at TP=1 continues it; a shard width that splits a block is refused.
 """
 
-import json
 import math
 from pathlib import Path
 
@@ -21,15 +20,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_models import hf_logits, make_hf_model
+from hf_models import make_hf_model
 from lightning_mcore.lora import nf4
 from lightning_mcore.lora.adapters import apply_lora
 from lightning_mcore.lora.config import LoRAConfig, LoRAError
-from test_lora import TOKENS, peft_and_merged_match
+from readme import section
 from test_lora_experts_resume import adapters as saved_adapters
 from test_lora_experts_resume import run as run_with_checkpoints
-from test_lora_fp8_base import (ADAPTED, EXPERTS, LORA, TORCH_EXPERTS, _chunk, by_hand,
-                                computes_with_the_codes_and_saves_no_weight, dequantized_copy, kind_of, train)
+from test_lora_fp8_base import (ADAPTED, EXPERTS, _chunk, by_hand, computes_with_the_codes_and_saves_no_weight,
+                                docs_config_trains_and_exports_merged, dequantized_copy,
+                                equals_dequantized_reference_across_layouts, kind_of)
 from toy import tiny_config
 
 NF4 = LoRAConfig(target_modules="all-linear", rank=8, alpha=16.0, base_precision="nf4")
@@ -113,49 +113,20 @@ def block_bounds(source: Path) -> dict:
 
 @pytest.mark.distributed
 def test_nf4_base_equals_dequantized_reference_across_layouts(tmp_path):
-    source, dequantized = tmp_path / "source", tmp_path / "dequantized"
-    hf = make_hf_model("qwen2_moe", source, **WHOLE_BLOCKS)
-    hand_errors = dequantized_copy(source, dequantized, nf4_by_hand)
-    ref_losses, ref_adapters, ref = train(tmp_path, "ref", dequantized, LORA)
-    ref_logits = torch.load(ref / "logits.pt")
-    assert ref_losses[0] - ref_losses[-1] > 1e-2, ref_losses
-    runs = {"tp1": train(tmp_path, "tp1", source, NF4),
-            "tp2": train(tmp_path, "tp2", source, NF4, 2, export=True, tensor_model_parallel_size=2,
-                         sequence_parallel=True),  # MoE at TP=2 needs SP; experts at expert-TP 2
-            "pp2": train(tmp_path, "pp2", source, NF4, 2, pipeline_model_parallel_size=2),
-            "ep2": train(tmp_path, "ep2", source, NF4, 2, overrides=TORCH_EXPERTS, expert_model_parallel_size=2)}
-    for name, (losses, adapters, out) in runs.items():
-        assert losses == pytest.approx(ref_losses, rel=1e-5), name
-        torch.testing.assert_close(torch.load(out / "logits.pt"), ref_logits, rtol=0, atol=1e-5, msg=name)
-        assert adapters.keys() == ref_adapters.keys(), name
-        for key, value in ref_adapters.items():
-            torch.testing.assert_close(adapters[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
-
-    # the error: reported as computed by hand, larger than FP8's (a scale per row, 3 mantissa
-    # bits) on the same weights, and bounded: an element moves by at most half the widest code
-    # gap times its block's absmax, so sum |W - W'|^2 <= h^2 * sum over blocks of 64 absmax^2
-    reported = json.loads((runs["tp1"][2] / "error.json").read_text())
-    assert reported.keys() == hand_errors.keys()
+    # (not PP=2: a stage holds whole layers, quantized as at PP=1; FP8's test runs it)
+    hand_errors, relative = equals_dequantized_reference_across_layouts(tmp_path, NF4, nf4_by_hand, pp2=False,
+                                                                       **WHOLE_BLOCKS)
+    # the error: larger than FP8's (a scale per row, 3 mantissa bits) on the same weights, and
+    # bounded: an element moves by at most half the widest code gap times its block's absmax
+    source = tmp_path / "source"
     fp8_errors, bound = dequantized_copy(source, tmp_path / "fp8", by_hand), block_bounds(source)
     for kind, error in hand_errors.items():
-        assert reported[kind] == pytest.approx(error, rel=1e-4), kind
         assert fp8_errors[kind] < error < bound[kind], (kind, fp8_errors[kind], error, bound[kind])
-    for name in ("tp2", "ep2"):
-        assert json.loads((runs[name][2] / "error.json").read_text()) == pytest.approx(reported, rel=1e-6), name
-    exact = hf_logits(hf, TOKENS)
-    first = torch.load(runs["tp1"][2] / "first_logits.pt")
-    relative = float((first - exact).norm() / exact.norm())
-    print(f"NF4 base: weights' relative error {reported} (fp8: {fp8_errors}); the base logits' {relative:.4f}")
+    print(f"NF4 base: weights' relative error {hand_errors} (fp8: {fp8_errors}, bound: {bound}); "
+          f"the base logits' {relative:.4f}")
     # as for FP8, two quantized linears in series per residual branch, the branches' roundings
-    # independent: twice the weights' largest error bounds the logits
+    # independent: twice the weights' largest error bounds the logits (measured: 0.171)
     assert 0 < relative < 2 * max(hand_errors.values())
-
-    # exports: peft's adapter on the dequantized base gives our logits; merged = its merge
-    out = runs["tp2"][2]
-    assert json.loads((out / "facts.json").read_text())["base_unchanged"]
-    peft_and_merged_match(dequantized, out, torch.load(out / "logits.pt"))
-    for kind in ("peft", "merged"):
-        assert json.loads((out / kind / "lightning_mcore_export.json").read_text())["lora_base_precision"] == "nf4"
 
 
 @pytest.mark.distributed
@@ -180,16 +151,8 @@ def test_nf4_run_saved_at_tp2_resumes_at_tp1(tmp_path):
 def test_docs_nf4_config_trains_and_exports_merged(tmp_path):
     """docs/lora.md's NF4 commands, verbatim: the NF4 base is reported and the export command
     (which rebuilds and quantizes the base) writes the merged model, marked nf4."""
-    from readme import commands, run, section, user_dir
-
-    work = user_dir(tmp_path)
-    fit_argv, export_argv = commands(section("LoRA over an NF4 (4-bit) base", "lora.md"))
-    trained = run(fit_argv, work)
-    assert "LoRA base in nf4" in trained.stdout + trained.stderr
-    run(export_argv, work)
-    merged = work / "runs" / "sft_lora_nf4" / "merged"
-    assert json.loads((merged / "lightning_mcore_export.json").read_text())["lora_base_precision"] == "nf4"
-    assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))
+    text = section("LoRA over an NF4 (4-bit) base", "lora.md")
+    docs_config_trains_and_exports_merged(tmp_path, text, "nf4", "sft_lora_nf4")
 
 
 def test_a_linear_of_partial_blocks_is_refused_before_launch(capsys):
