@@ -85,7 +85,9 @@ LAYOUTS = {
     "ep2_distributed": (2, SHARED, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
     "lora_ep2": (2, SHARED, dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
     "lora_fp8_ep2": (2, SHARED, dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
-    "lora_nf4_ep2": (2, SHARED, dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
+    # FFNs 128 wide: two of NF4's 64-input blocks (two scales) a row of the fc2s
+    "lora_nf4_ep2": (2, dict(SHARED, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128),
+                     dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
 }
 
 
