@@ -164,7 +164,8 @@ def test_unsupported_base_precisions_are_refused(precision):
     from lightning_mcore.lora.checks import LoRAPlanError, check_lora_plan
 
     lora = LoRAConfig(base_precision=precision)
-    with pytest.raises(LoRAPlanError, match=f"base_precision='{precision}' runs on .* transformer_impl='local'") as info:
+    refusal = f"base_precision='{precision}' runs on .* transformer_impl='local'"
+    with pytest.raises(LoRAPlanError, match=refusal) as info:
         check_lora_plan(lora, tiny_config(), uses_te=True)
     assert info.value.lora == ("base_precision",)
     check_lora_plan(lora, tiny_config(), uses_te=False)

@@ -40,8 +40,8 @@ def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False)
     if lora.base_precision in ("fp8", "nf4") and uses_te:
         raise LoRAPlanError(
             f"LoRA base_precision={lora.base_precision!r} runs on mcore's local layers (and torch's "
-            "grouped experts) only so far; this model is built with Transformer Engine's layers: set the model's "
-            "transformer_impl='local', or lora.base_precision='bf16'.",
+            "grouped experts) only so far; this model is built with Transformer Engine's layers: set "
+            "the model's transformer_impl='local', or lora.base_precision='bf16'.",
             lora=("base_precision",), fields=("transformer_impl",))
     if lora.base_precision == "nf4":
         check_block_widths(lora, model)

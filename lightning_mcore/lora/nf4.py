@@ -42,7 +42,8 @@ def quantize_blocks(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, tor
     block lies within one shard's row (the same signature as FP8's per-row codec)."""
     *lead, inp = weight.shape
     if inp % BLOCK:
-        raise ValueError(f"NF4 blocks of {BLOCK} need an input width that is a multiple of {BLOCK}, got {inp}")
+        raise ValueError(f"NF4 blocks of {BLOCK} need an input width that is a multiple of {BLOCK}, "
+                         f"got {inp}")
     w = weight.detach().float().reshape(*lead, inp // BLOCK, BLOCK)
     absmax = w.abs().amax(dim=-1, keepdim=True)
     scales = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # an all-zero block: codes of 0.0

@@ -29,8 +29,9 @@ dequantized weight W' = codes * s):
                        no weight gradient)
 
 So between forward and backward only codes (fp8: 1 byte/element, nf4: 1/2) stay alive, not a
-bf16 copy of every layer's weights. The pack hook hands every other tensor to the saved-tensor hooks that were
-active around the call (activation offloading, a measurement), so it composes with them.
+bf16 copy of every layer's weights. The pack hook hands every other tensor to the saved-tensor
+hooks that were active around the call (activation offloading, a measurement), so it composes
+with them.
 Torch's grouped experts (model/torch_experts.py) hold one block [E, out, in] of codes per linear;
 the hooks sit on the experts module and materialise the block as one tensor whose rows are the
 experts' weights, so the grouped GEMM still reads it in place.
@@ -41,8 +42,8 @@ scales are non-persistent buffers of the owning module (they move with it, are n
 the base comes from the HF checkpoint). Merging (set_merged: merged export, generation) gives
 the parameter real data W' + scale B A; unmerging puts the placeholder back.
 
-Transformer Engine (GPU, not done yet: LoRA's plan check refuses fp8 and nf4 with TE layers) can plug
-into the same record: its Linear / LayerNormLinear read `self.weight` (TEGroupedLinear:
+Transformer Engine (GPU, not done yet: LoRA's plan check refuses fp8 and nf4 with TE layers) can
+plug into the same record: its Linear / LayerNormLinear read `self.weight` (TEGroupedLinear:
 `weight<e>`) in forward, so the same pre-hook / placeholder / saved-tensor hooks work for a
 dequantize-on-the-fly path (TE saves the weight it computes with when it is not casting it). A
 real FP8 GEMM instead hands TE the codes and scales as a Float8Tensor (per-row scales need TE's
