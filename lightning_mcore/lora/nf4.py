@@ -50,7 +50,7 @@ def quantize_blocks(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, tor
     values = _values(weight.device)
     # the nearest codebook value: its index is the number of midpoints below x / absmax (a tie
     # goes to the lower value, as bitsandbytes' `x > midpoint` decision tree sends it)
-    index = torch.bucketize(w / scales, (values[1:] + values[:-1]) / 2).to(torch.uint8)
+    index = torch.bucketize(w / scales, (values[1:] + values[:-1]) / 2, out_int32=True).to(torch.uint8)
     return pack(index.reshape(*lead, inp)), scales.squeeze(-1)
 
 
