@@ -110,6 +110,7 @@ READ_BY = {
     ("pretraining.md", "Data"): "test_data_indexed.py",
     ("gpu.md", "Memory plan before launch"): "test_memory_plan.py",
     ("lora.md", "LoRA over an FP8 base"): "test_lora_fp8_base.py",
+    ("lora.md", "LoRA over an NF4 (4-bit) base"): "test_lora_nf4_base.py",
     ("parallelism.md", "Several nodes: torchrun and SLURM"): "test_readme_multinode.py",
     ("testing.md", "Benchmark results"): "test_results_table.py",
 }

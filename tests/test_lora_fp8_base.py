@@ -29,6 +29,7 @@ from lightning_mcore.lora.config import LoRAConfig, LoRAError
 from lightning_mcore.model.build import build_chunks
 from lightning_mcore.model.config import to_transformer_config
 from lightning_mcore.strategy.parallel import ParallelConfig
+from readme import commands, run, section, user_dir
 from test_lora import TOKENS, Probe, peft_and_merged_match
 from test_lora_experts_resume import adapters as saved_adapters
 from test_lora_experts_resume import run as run_with_checkpoints
@@ -50,14 +51,14 @@ def by_hand(w: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
 
 
-def dequantized_copy(source: Path, dest: Path) -> dict:
-    """`source` with its adapted weights replaced by W' (config and tokenizer-less files copied);
-    returns {kind: relative Frobenius error} as our report names the kinds."""
+def dequantized_copy(source: Path, dest: Path, hand=by_hand) -> dict:
+    """`source` with its adapted weights replaced by W' = hand(W) (config and tokenizer-less files
+    copied); returns {kind: relative Frobenius error} as our report names the kinds."""
     dest.mkdir()
     tensors, sums = load_file(source / "model.safetensors"), {}
     for name, w in tensors.items():
         if name.rsplit(".", 2)[-2] in ADAPTED and name.endswith(".weight"):
-            tensors[name] = by_hand(w)
+            tensors[name] = hand(w)
             sums.setdefault(kind_of(name), []).append((w, tensors[name]))
     save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
     for f in source.glob("*.json"):
@@ -106,34 +107,43 @@ def _adapted_weights(chunk) -> list:
     return out
 
 
-@pytest.mark.parametrize("experts", [{}, dict(num_moe_experts=4, moe_ffn_hidden_size=32, **TORCH_EXPERTS)],
-                         ids=["dense", "torch_experts"])
+EXPERTS = dict(num_moe_experts=4, moe_ffn_hidden_size=64, **TORCH_EXPERTS)  # 64: whole NF4 blocks
+
+
+@pytest.mark.parametrize("experts", [{}, EXPERTS], ids=["dense", "torch_experts"])
 def test_fp8_base_computes_with_the_codes_and_saves_no_weight(experts):
+    computes_with_the_codes_and_saves_no_weight(experts, "fp8", by_hand)
+
+
+def computes_with_the_codes_and_saves_no_weight(experts: dict, precision: str, hand) -> None:
+    """A `precision` base's loss and adapter gradients equal a bf16 model's whose base is `hand`'s
+    dequantized weights, bit for bit; autograd saves no base weight."""
     cfg = tiny_config(num_layers=2, **experts)
     tokens = torch.randint(0, 500, (1, 5), generator=torch.Generator().manual_seed(1))
     got = {}
     with single_process_megatron():
-        for precision in ("fp8", "bf16"):
+        for base in (precision, "bf16"):
             chunk = _chunk(cfg, torch.bfloat16)
             apply_lora([chunk], LORA, seed=0)
             weights = _adapted_weights(chunk)
             with torch.no_grad():
-                for w in weights:  # the reference: W' by hand; the fp8 model: W (quantized below)
-                    w.copy_(by_hand(w).to(w.dtype) if precision == "bf16" else w)
+                for w in weights:  # the reference: W' by hand; the quantized model: W (quantized below)
+                    w.copy_(hand(w).to(w.dtype) if base == "bf16" else w)
                 for adapter in chunk.lora.values():  # B != 0: A's gradient too
                     adapter.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
             shapes = {(tuple(w.shape), w.dtype) for w in weights}
             weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-            if precision == "fp8":
+            if base == precision:
                 from lightning_mcore.lora.adapters import quantize_bases
+                from lightning_mcore.lora.quantized_base import CODECS
 
-                quantize_bases([chunk])
+                quantize_bases([chunk], CODECS[precision])
                 assert all(w.stride() == (0, 0) for w in weights)  # no memory between calls
             loss, saved = _saved_during(chunk, tokens)
             loss.backward()
             grads = {n: p.grad.float().clone() for n, p in chunk.named_parameters() if p.requires_grad}
-            got[precision] = (loss.detach().float(), grads, saved, weight_bytes, shapes)
-    (loss8, grads8, saved8, _, shapes), (loss, grads, saved, weight_bytes, _) = got["fp8"], got["bf16"]
+            got[base] = (loss.detach().float(), grads, saved, weight_bytes, shapes)
+    (loss8, grads8, saved8, _, shapes), (loss, grads, saved, weight_bytes, _) = got[precision], got["bf16"]
     assert grads8.keys() == grads.keys() and all(k.startswith("lora.") for k in grads)
     torch.testing.assert_close(loss8, loss, rtol=0, atol=0)
     for name, g in grads.items():
@@ -141,21 +151,24 @@ def test_fp8_base_computes_with_the_codes_and_saves_no_weight(experts):
         torch.testing.assert_close(grads8[name], g, rtol=0, atol=0, msg=name)
     kept = [b for shape, dtype, b in saved if (shape, dtype) in shapes]
     # the reference keeps every weight on a gradient's path (not the first linear's: its input,
-    # the frozen embedding's, needs none), the FP8 model none, and nothing else changes
+    # the frozen embedding's, needs none), the quantized model none, and nothing else changes
     assert weight_bytes > sum(kept) > weight_bytes / 2, (kept, weight_bytes)
     assert not [s for s in saved8 if (s[0], s[1]) in shapes], "a dequantized weight was saved"
     assert sum(b for *_, b in saved) - sum(b for *_, b in saved8) == sum(kept)
 
 
-def test_unsupported_base_precisions_are_refused():
-    with pytest.raises(LoRAError, match="base_precision 'nf4' is not supported yet: use 'bf16'"):
-        LoRAConfig(base_precision="nf4")
+@pytest.mark.parametrize("precision", ["fp8", "nf4"])
+def test_unsupported_base_precisions_are_refused(precision):
+    with pytest.raises(LoRAError, match="base_precision 'int4' is not supported: use 'bf16'"):
+        LoRAConfig(base_precision="int4")
     from lightning_mcore.lora.checks import LoRAPlanError, check_lora_plan
 
-    with pytest.raises(LoRAPlanError, match="transformer_impl='local'") as info:
-        check_lora_plan(FP8, tiny_config(), uses_te=True)
+    lora = LoRAConfig(base_precision=precision)
+    refusal = f"base_precision='{precision}' runs on .* transformer_impl='local'"
+    with pytest.raises(LoRAPlanError, match=refusal) as info:
+        check_lora_plan(lora, tiny_config(), uses_te=True)
     assert info.value.lora == ("base_precision",)
-    check_lora_plan(FP8, tiny_config(), uses_te=False)
+    check_lora_plan(lora, tiny_config(), uses_te=False)
 
 
 # ---------------------------------------------------------------- across layouts
@@ -193,17 +206,37 @@ def train(tmp: Path, name: str, source: Path, lora: LoRAConfig, devices: int = 1
 
 @pytest.mark.distributed
 def test_fp8_base_equals_dequantized_reference_across_layouts(tmp_path):
+    hand_errors, relative = equals_dequantized_reference_across_layouts(tmp_path, FP8, by_hand)
+    # the quantization error: within e4m3's rounding, and what it does to the base model's logits
+    # (the adapters start at B = 0)
+    for kind, error in hand_errors.items():
+        assert 0 < error < E4M3_BOUND, kind
+    print(f"FP8 base: weights' relative error {hand_errors}; the base logits' {relative:.4f}")
+    # each residual branch (attention, MLP) runs two quantized linears in series, each within
+    # 2^-4; the branches' roundings are independent and add to one residual stream, so they do
+    # not add up linearly: 2 * 2^-4 bounds the logits (measured: 0.049)
+    assert 0 < relative < 2 * E4M3_BOUND
+
+
+def equals_dequantized_reference_across_layouts(tmp_path: Path, lora: LoRAConfig, hand, pp2: bool = True,
+                                                **sizes):
+    """The tiny Qwen2-MoE (config fields `sizes` changed) trained with `lora` at TP=1, TP=2, EP=2
+    and PP=2 (if `pp2`) equals the reference run on its copy dequantized by `hand`; every run
+    reports the hand-computed error; the TP=2 run's exports match peft on the dequantized base
+    and say lora.base_precision. Returns the hand errors by kind and the first logits' relative error
+    against the unquantized HF model."""
     source, dequantized = tmp_path / "source", tmp_path / "dequantized"
-    hf = make_hf_model("qwen2_moe", source)
-    hand_errors = dequantized_copy(source, dequantized)
+    hf = make_hf_model("qwen2_moe", source, **sizes)
+    hand_errors = dequantized_copy(source, dequantized, hand)
     ref_losses, ref_adapters, ref = train(tmp_path, "ref", dequantized, LORA)
     ref_logits = torch.load(ref / "logits.pt")
     assert ref_losses[0] - ref_losses[-1] > 1e-2, ref_losses
-    runs = {"tp1": train(tmp_path, "tp1", source, FP8),
-            "tp2": train(tmp_path, "tp2", source, FP8, 2, export=True, tensor_model_parallel_size=2,
+    runs = {"tp1": train(tmp_path, "tp1", source, lora),
+            "tp2": train(tmp_path, "tp2", source, lora, 2, export=True, tensor_model_parallel_size=2,
                          sequence_parallel=True),  # MoE at TP=2 needs SP; experts at expert-TP 2
-            "pp2": train(tmp_path, "pp2", source, FP8, 2, pipeline_model_parallel_size=2),
-            "ep2": train(tmp_path, "ep2", source, FP8, 2, overrides=TORCH_EXPERTS, expert_model_parallel_size=2)}
+            "ep2": train(tmp_path, "ep2", source, lora, 2, overrides=TORCH_EXPERTS, expert_model_parallel_size=2)}
+    if pp2:
+        runs["pp2"] = train(tmp_path, "pp2", source, lora, 2, pipeline_model_parallel_size=2)
     for name, (losses, adapters, out) in runs.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), name
         torch.testing.assert_close(torch.load(out / "logits.pt"), ref_logits, rtol=0, atol=1e-5, msg=name)
@@ -211,28 +244,23 @@ def test_fp8_base_equals_dequantized_reference_across_layouts(tmp_path):
         for key, value in ref_adapters.items():
             torch.testing.assert_close(adapters[key], value, rtol=0, atol=1e-5, msg=f"{name} {key}")
 
-    # the quantization error: reported as computed by hand, within e4m3's rounding, and what it
-    # does to the base model's logits (the adapters start at B = 0)
     reported = json.loads((runs["tp1"][2] / "error.json").read_text())
     assert reported.keys() == hand_errors.keys()
     for kind, error in hand_errors.items():
-        assert reported[kind] == pytest.approx(error, rel=1e-4) and 0 < error < E4M3_BOUND, kind
-    assert json.loads((runs["tp2"][2] / "error.json").read_text()) == pytest.approx(reported, rel=1e-6)
+        assert reported[kind] == pytest.approx(error, rel=1e-4), kind
+    for name in ("tp2", "ep2"):
+        assert json.loads((runs[name][2] / "error.json").read_text()) == pytest.approx(reported, rel=1e-6), name
     exact = hf_logits(hf, TOKENS)
     first = torch.load(runs["tp1"][2] / "first_logits.pt")
-    relative = float((first - exact).norm() / exact.norm())
-    print(f"FP8 base: weights' relative error {reported}; the base logits' {relative:.4f}")
-    # each residual branch (attention, MLP) runs two quantized linears in series, each within
-    # 2^-4; the branches' roundings are independent and add to one residual stream, so they do
-    # not add up linearly: 2 * 2^-4 bounds the logits (measured: 0.049)
-    assert 0 < relative < 2 * E4M3_BOUND
 
     # exports: peft's adapter on the dequantized base gives our logits; merged = its merge
     out = runs["tp2"][2]
     assert json.loads((out / "facts.json").read_text())["base_unchanged"]
     peft_and_merged_match(dequantized, out, torch.load(out / "logits.pt"))
     for kind in ("peft", "merged"):
-        assert json.loads((out / kind / "lightning_mcore_export.json").read_text())["lora_base_precision"] == "fp8"
+        export = json.loads((out / kind / "lightning_mcore_export.json").read_text())
+        assert export["lora_base_precision"] == lora.base_precision, kind
+    return hand_errors, float((first - exact).norm() / exact.norm())
 
 
 @pytest.mark.distributed
@@ -267,13 +295,17 @@ def test_docs_fp8_config_trains_and_exports_merged(tmp_path):
     """docs/lora.md's commands, verbatim: the FP8 base is reported, the checkpoint holds the
     adapters only, and the export command (which rebuilds and quantizes the base) writes the
     merged model, marked fp8."""
-    from readme import commands, run, section, user_dir
+    docs_config_trains_and_exports_merged(tmp_path, section("LoRA over an FP8 base", "lora.md"), "fp8", "sft_lora_fp8")
 
+
+def docs_config_trains_and_exports_merged(tmp_path: Path, text: str, precision: str, run_name: str) -> None:
+    """A docs section's `text`: its fit command reports the `precision` base, its export writes
+    runs/`run_name`/merged, marked `precision`."""
     work = user_dir(tmp_path)
-    fit_argv, export_argv = commands(section("LoRA over an FP8 base", "lora.md"))
+    fit_argv, export_argv = commands(text)
     trained = run(fit_argv, work)
-    assert "LoRA base in fp8" in trained.stdout + trained.stderr
+    assert f"LoRA base in {precision}" in trained.stdout + trained.stderr
     run(export_argv, work)
-    merged = work / "runs" / "sft_lora_fp8" / "merged"
-    assert json.loads((merged / "lightning_mcore_export.json").read_text())["lora_base_precision"] == "fp8"
+    merged = work / "runs" / run_name / "merged"
+    assert json.loads((merged / "lightning_mcore_export.json").read_text())["lora_base_precision"] == precision
     assert (merged / "config.json").is_file() and list(merged.glob("*.safetensors"))

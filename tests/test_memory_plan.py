@@ -61,12 +61,12 @@ class Measure(L.Callback):
                 if t.numel() > 1 and t.untyped_storage().data_ptr() not in seen:  # not Adam's step count
                     seen.add(t.untyped_storage().data_ptr())
                     state += t.untyped_storage().nbytes()
-        # frozen weights as held (LoRA over an FP8 base: the codes and scales; its parameters are
+        # frozen weights as held (LoRA over a quantized base: the codes and scales; its parameters are
         # one-element placeholders between calls)
         frozen_bytes = sum(p.untyped_storage().nbytes() for p in params
                            if not p.requires_grad and not hasattr(p, "quantized_base"))
         frozen_bytes += sum(b.nbytes for chunk in module.chunks for name, b in chunk.named_buffers()
-                            if name.endswith(("_fp8", "_scale")))
+                            if name.endswith(("_fp8", "_nf4", "_scale")))
         record = dict(stage=parallel_state.get_pipeline_model_parallel_rank(), frozen_bytes=frozen_bytes,
                       trainable=sum(p.numel() for p in params if p.requires_grad),
                       frozen=sum(p.numel() for p in params if not p.requires_grad), grads=grads, state=state)
@@ -85,6 +85,9 @@ LAYOUTS = {
     "ep2_distributed": (2, SHARED, dict(expert_model_parallel_size=2, use_distributed_optimizer=True)),
     "lora_ep2": (2, SHARED, dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
     "lora_fp8_ep2": (2, SHARED, dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
+    # FFNs 128 wide: two of NF4's 64-input blocks (two scales) a row of the fc2s
+    "lora_nf4_ep2": (2, dict(SHARED, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128),
+                     dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
 }
 
 
@@ -92,7 +95,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parameters_grads_and_optimizer_state_per_rank(layout, tmp_path):
     ranks, overrides, parallel = LAYOUTS[layout]
-    lora = LoRAConfig(rank=4, alpha=8, base_precision="fp8" if "fp8" in layout else "bf16") \
+    precision = next((p for p in ("fp8", "nf4") if p in layout), "bf16")
+    lora = LoRAConfig(rank=4, alpha=8, base_precision=precision) \
         if layout.startswith("lora") else None
     config = tiny_config(**overrides)
     fit(tmp_path, devices=ranks, steps=1, gbs=4, mbs=2, config=config, callbacks=(Measure(tmp_path),),
@@ -106,11 +110,12 @@ def test_parameters_grads_and_optimizer_state_per_rank(layout, tmp_path):
         assert (counted.trainable, counted.frozen) == (measured["trainable"], measured["frozen"]), (rank, measured)
         assert (counted.frozen > 0) == (lora is not None) and (counted.experts > 0) == ("num_moe_experts" in overrides)
         plan = stage_plan(inputs, measured["stage"])
-        if lora is not None:  # fp32 weights here: 4 bytes a frozen parameter, 1 a code, 4 a row's scale
-            frozen = (counted.frozen - counted.quantized) * 4 + counted.quantized + counted.scales * 4
+        if lora is not None:  # fp32 weights here: 4 bytes a frozen parameter, the codes' bytes (fp8: 1
+            # a weight, nf4: 1/2), 4 a scale (fp8: one a row, nf4: one per 64 inputs)
+            frozen = (counted.frozen - counted.quantized) * 4 + counted.code_bytes + counted.scales * 4
             assert frozen == measured["frozen_bytes"], (rank, measured)
             assert plan.weights == frozen + counted.trainable * 4 + counted.largest_quantized * 4
-            assert (counted.quantized > 0) == (lora.base_precision == "fp8")
+            assert (counted.quantized > 0) == (lora.base_precision != "bf16")
         if parallel["use_distributed_optimizer"]:
             # mcore pads the grad buffer to whole shards, so a rank's shard (its state) may hold
             # up to that padding more or less than an even share: within it, not exact

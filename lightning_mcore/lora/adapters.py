@@ -67,7 +67,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_mcore.lora.config import TARGETS, LoRAConfig, LoRAError, adapts_experts, resolve_targets
 from lightning_mcore.lora.grouped import expert_weights, grouped_hook, is_grouped_linear
-from lightning_mcore.lora.quantized_base import QuantizationError, merge, quantize_module, unmerge
+from lightning_mcore.lora.quantized_base import CODECS, Codec, QuantizationError, merge, quantize_module, unmerge
 from lightning_mcore.model.torch_experts import TorchGroupedMLP
 
 
@@ -217,8 +217,9 @@ def base_path(name: str) -> str:
 
 def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -> dict[str, float]:
     """Freeze every base parameter (and MoE routing bias) and attach adapters to the targeted
-    layers; with base_precision "fp8", quantize the adapted base weights (lora/quantized_base.py)
-    and return the relative error of each kind of them (collective then), else {}."""
+    layers; with base_precision "fp8" or "nf4", quantize the adapted base weights
+    (lora/quantized_base.py) and return the relative error of each kind of them (collective
+    then), else {}."""
     adapt_experts = adapts_experts(lora)
     targets = resolve_targets(lora.target_modules)
     for chunk in chunks:
@@ -249,13 +250,13 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
         chunk.add_module("lora", adapters)
     if lora.experts and chunks and not chunks[0].config.num_moe_experts:
         raise LoRAError("LoRA experts=True, but the model has no MoE experts; leave experts unset.")
-    return quantize_bases(chunks) if lora.base_precision == "fp8" else {}
+    return quantize_bases(chunks, CODECS[lora.base_precision]) if lora.base_precision in CODECS else {}
 
 
-def quantize_bases(chunks) -> dict[str, float]:
-    """Hold every adapted base weight in FP8 (lora/quantized_base.py); returns the relative
-    Frobenius error against the loaded weights per kind ('linear_qkv', 'experts.linear_fc1',
-    ...), over all ranks (collective)."""
+def quantize_bases(chunks, codec: Codec = CODECS["fp8"]) -> dict[str, float]:
+    """Hold every adapted base weight as `codec`'s codes (lora/quantized_base.py); returns the
+    relative Frobenius error against the loaded weights per kind ('linear_qkv',
+    'experts.linear_fc1', ...), over all ranks (collective)."""
     errors: dict[str, QuantizationError] = {}
     done: set = set()
     for name, adapter, model in adapters_of(chunks):
@@ -270,23 +271,36 @@ def quantize_bases(chunks) -> dict[str, float]:
             weight = getattr(module, weight_name)
             if id(weight) in done:
                 continue
+            _check_block_width(codec, weight, f"decoder.layers.{layer_index}.{base}.{weight_name}")
             experts = _base_module(model, layer_index, base.split(".local_experts.")[0]) if adapter.expert else None
             if isinstance(experts, TorchGroupedMLP):  # one block [E, out, in] read by the grouped GEMM
                 short = base.rsplit(".", 1)[-1]
                 params = [getattr(e, short).weight for e in experts.local_experts]
                 block = torch.stack([p.detach() for p in params])
-                record = quantize_module(experts, short, params, block, group)
+                record = quantize_module(experts, short, params, block, group, codec)
                 done.update(id(p) for p in params)
                 errors.setdefault(kind, QuantizationError()).add(block, record)
             elif is_grouped_linear(module):
-                raise LoRAError("LoRA base_precision='fp8' is not done for Transformer Engine's grouped "
-                                "experts yet: use moe_grouped_gemm_backend='torch' or base_precision='bf16'.")
+                raise LoRAError(f"LoRA base_precision={codec.name!r} is not done for Transformer Engine's "
+                                "grouped experts yet: use moe_grouped_gemm_backend='torch' or base_precision='bf16'.")
             else:
                 original = weight.detach().clone()
-                record = quantize_module(module, "weight", [weight], original, group)
+                record = quantize_module(module, "weight", [weight], original, group, codec)
                 done.add(id(weight))
                 errors.setdefault(kind, QuantizationError()).add(original, record)
     return _relative_errors(errors)
+
+
+def _check_block_width(codec: Codec, weight, where: str) -> None:
+    """A block of `codec` (nf4: 64 inputs) never straddles a shard, so the codes are the same at
+    any layout: this shard's input width must hold whole blocks."""
+    width = weight.shape[-1]
+    if codec.block and width % codec.block:
+        raise LoRAError(
+            f"LoRA base_precision={codec.name!r} quantizes blocks of {codec.block} inputs, but {where} "
+            f"holds {width} inputs on this rank (not a multiple of {codec.block}): use a tensor-parallel "
+            f"size that leaves whole blocks, leave this layer out of target_modules, or use "
+            f"base_precision='fp8'.")
 
 
 def _relative_errors(errors: dict) -> dict[str, float]:
@@ -474,7 +488,7 @@ def adapters_of(chunks) -> list[tuple[str, LoRAAdapter, torch.nn.Module]]:
 def set_merged(chunks, merged: bool) -> None:
     """Merge scale * B A into every adapted base weight (the adapters then stop adding it), or
     unmerge: the base weights come back bit for bit from a host copy taken at merge time
-    (W + d - d is not W in floating point). An FP8 base is merged into its dequantized weight,
+    (W + d - d is not W in floating point). A quantized base is merged into its dequantized weight,
     as new data beside the codes, and unmerged by dropping that data."""
     for name, adapter, model in adapters_of(chunks):
         if adapter.merged == merged:
@@ -483,7 +497,7 @@ def set_merged(chunks, merged: bool) -> None:
         originals = []
         for i, (path, weight_name) in enumerate(adapter.bases):  # experts: one per local expert
             weight = getattr(_base_module(model, layer_index, path), weight_name)  # grouped: weight<e>
-            if getattr(weight, "quantized_base", None) is not None:  # FP8 base: the codes stay
+            if getattr(weight, "quantized_base", None) is not None:  # quantized base: the codes stay
                 if merged:
                     merge(weight, adapter.delta(i if adapter.expert else None))
                 else:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from lightning_mcore.lora.config import LoRAConfig, LoRAError, adapts_experts
+from lightning_mcore.lora import nf4
+from lightning_mcore.lora.config import LoRAConfig, LoRAError, adapts_experts, resolve_targets
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_mcore.model.config import GPTConfig
@@ -36,12 +37,14 @@ def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False)
         raise LoRAPlanError(
             "LoRA experts=True, but the model has no MoE experts (num_moe_experts is not set): "
             "leave lora.experts unset (or False).", lora=("experts",), fields=("num_moe_experts",))
-    if lora.base_precision == "fp8" and uses_te:
+    if lora.base_precision in ("fp8", "nf4") and uses_te:
         raise LoRAPlanError(
-            "LoRA base_precision='fp8' runs on mcore's local layers (and torch's grouped experts) "
-            "only so far; this model is built with Transformer Engine's layers: set the model's "
-            "transformer_impl='local', or lora.base_precision='bf16'.",
+            f"LoRA base_precision={lora.base_precision!r} runs on mcore's local layers (and torch's "
+            "grouped experts) only so far; this model is built with Transformer Engine's layers: set "
+            "the model's transformer_impl='local', or lora.base_precision='bf16'.",
             lora=("base_precision",), fields=("transformer_impl",))
+    if lora.base_precision == "nf4":
+        check_block_widths(lora, model)
     if not adapts_experts(lora, model):
         return
     refuse_grouped_gemm_experts(lora, model, uses_te)
@@ -94,3 +97,31 @@ def refuse_grouped_gemm_experts(lora: LoRAConfig, model: "GPTConfig", uses_te: b
             "GroupedMLP has no expert linears to adapt: set moe_grouped_gemm_backend='torch', "
             "moe_grouped_gemm=False, or lora.experts=False to keep experts frozen.",
             lora=("experts",), fields=("moe_grouped_gemm", "moe_grouped_gemm_backend"))
+
+
+def check_block_widths(lora: LoRAConfig, model: "GPTConfig") -> None:
+    """NF4 quantizes blocks of 64 inputs within a row (lora/nf4.py): a targeted linear whose input
+    width is not whole blocks is refused here, before launch. (A tensor-parallel shard that
+    splits a block, and the linears of multi-latent attention, are refused where the base is
+    quantized, naming the layer: lora/adapters.py.)"""
+    targets = resolve_targets(lora.target_modules)
+    widths = []  # (the linear, its input width, the model field that sets it)
+    if "linear_qkv" in targets or "linear_fc1" in targets:
+        widths.append(("linear_qkv/linear_fc1", model.hidden_size, "hidden_size"))
+    if "linear_proj" in targets and model.mla is None:
+        widths.append(("linear_proj", model.num_attention_heads * model.head_dim, "kv_channels"))
+    if "linear_fc2" in targets:
+        if any(not model.is_moe_layer(layer) for layer in range(model.num_layers)):
+            widths.append(("linear_fc2", model.ffn_hidden_size, "ffn_hidden_size"))
+        if model.moe_shared_expert_intermediate_size:
+            widths.append(("shared_experts.linear_fc2", model.moe_shared_expert_intermediate_size,
+                           "moe_shared_expert_intermediate_size"))
+        if adapts_experts(lora, model):
+            widths.append(("experts' linear_fc2", model.moe_ffn_hidden_size or model.ffn_hidden_size,
+                           "moe_ffn_hidden_size"))
+    for name, width, field in widths:
+        if width % nf4.BLOCK:
+            raise LoRAPlanError(
+                f"LoRA base_precision='nf4' quantizes blocks of {nf4.BLOCK} inputs, but {name} has {width} "
+                f"inputs ({field}), not a multiple of {nf4.BLOCK}: leave it out of lora.target_modules, "
+                f"or use lora.base_precision='fp8'.", lora=("base_precision", "target_modules"), fields=(field,))

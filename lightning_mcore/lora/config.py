@@ -64,16 +64,17 @@ class LoRAConfig:
     # gate/up/down_proj, all-linear); False keeps them frozen; True requires it (an error if
     # the targets name no expert linear).
     experts: Optional[bool] = None
-    # The frozen base weights LoRA adapts: "bf16" (the model's dtype, as loaded) or "fp8" (FP8
-    # e4m3 codes with one scale per output row, dequantized per call: lora/quantized_base.py).
-    # "nf4" is not done yet.
+    # The frozen base weights LoRA adapts: "bf16" (the model's dtype, as loaded), "fp8" (FP8
+    # e4m3 codes with one scale per output row) or "nf4" (QLoRA's 4-bit NormalFloat codes, an
+    # absmax scale per 64 inputs), dequantized per call: lora/quantized_base.py, lora/nf4.py.
     base_precision: Literal["bf16", "fp8", "nf4"] = "bf16"
 
     def __post_init__(self) -> None:
-        if self.base_precision not in ("bf16", "fp8"):
+        if self.base_precision not in ("bf16", "fp8", "nf4"):
             raise LoRAError(
-                f"LoRA base_precision {self.base_precision!r} is not supported yet: use 'bf16' "
-                f"(the base as loaded) or 'fp8' (e4m3 codes, a scale per output row).")
+                f"LoRA base_precision {self.base_precision!r} is not supported: use 'bf16' "
+                f"(the base as loaded), 'fp8' (e4m3 codes, a scale per output row) or 'nf4' "
+                f"(4-bit NormalFloat codes, a scale per 64 inputs).")
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise LoRAError(f"LoRA rank must be a positive int, got {self.rank!r}.")
         if not 0.0 <= self.dropout < 1.0:

@@ -1,6 +1,10 @@
-"""LoRA over an FP8 frozen base (LoRAConfig.base_precision="fp8"): the base weights that LoRA
-adapts are held as float8_e4m3fn codes with one fp32 scale per output row, and turned back into
-the model's dtype for each call only.
+"""LoRA over a quantized frozen base (LoRAConfig.base_precision "fp8" or "nf4"): the base weights
+that LoRA adapts are held as codes and fp32 scales, and turned back into the model's dtype for
+each call only. A `Codec` says how: "fp8" (below) or "nf4" (4-bit NormalFloat codes, an absmax
+scale per block of 64 along the input dimension: lora/nf4.py). Everything else (the hooks,
+placeholders, merging, the error report) is one mechanism for both.
+
+FP8:
 
     codes  [out, in]  float8_e4m3fn   = round(W / s)         (saturating at +-448)
     scales [out]      fp32            s = amax(|W row|) / 448 over the FULL row of the HF tensor
@@ -24,9 +28,10 @@ dequantized weight W' = codes * s):
     backward           the unpack hook dequantizes again: grad x = g W' (the base is frozen:
                        no weight gradient)
 
-So between forward and backward only codes (1 byte/element) stay alive, not a bf16 copy of every
-layer's weights. The pack hook hands every other tensor to the saved-tensor hooks that were
-active around the call (activation offloading, a measurement), so it composes with them.
+So between forward and backward only codes (fp8: 1 byte/element, nf4: 1/2) stay alive, not a
+bf16 copy of every layer's weights. The pack hook hands every other tensor to the saved-tensor
+hooks that were active around the call (activation offloading, a measurement), so it composes
+with them.
 Torch's grouped experts (model/torch_experts.py) hold one block [E, out, in] of codes per linear;
 the hooks sit on the experts module and materialise the block as one tensor whose rows are the
 experts' weights, so the grouped GEMM still reads it in place.
@@ -37,23 +42,26 @@ scales are non-persistent buffers of the owning module (they move with it, are n
 the base comes from the HF checkpoint). Merging (set_merged: merged export, generation) gives
 the parameter real data W' + scale B A; unmerging puts the placeholder back.
 
-Transformer Engine (GPU, not done yet: LoRA's plan check refuses fp8 with TE layers) can plug
-into the same record: its Linear / LayerNormLinear read `self.weight` (TEGroupedLinear:
+Transformer Engine (GPU, not done yet: LoRA's plan check refuses fp8 and nf4 with TE layers) can
+plug into the same record: its Linear / LayerNormLinear read `self.weight` (TEGroupedLinear:
 `weight<e>`) in forward, so the same pre-hook / placeholder / saved-tensor hooks work for a
 dequantize-on-the-fly path (TE saves the weight it computes with when it is not casting it). A
 real FP8 GEMM instead hands TE the codes and scales as a Float8Tensor (per-row scales need TE's
 blockwise/"Float8BlockScaling" recipe on Hopper, 1x128 blocks: quantize with that block shape
-there), and the input gradient then comes from TE's own FP8 backward GEMM.
+there), and the input gradient then comes from TE's own FP8 backward GEMM. NF4 has no GEMM of
+its own: it dequantizes (as bitsandbytes does), so only the dequantize-on-the-fly path applies.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from lightning_mcore.lora import nf4
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -77,23 +85,41 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
     return (codes.float() * scales.unsqueeze(-1)).to(dtype)
 
 
+@dataclass(frozen=True)
+class Codec:
+    """How one base precision holds a weight [..., out, in] as (codes, scales) and gives it back."""
+
+    name: str  # the LoRAConfig.base_precision, and the suffix of the codes' buffer
+    quantize: Callable  # (weight, row-parallel group or None) -> (codes, scales)
+    dequantize: Callable  # (codes, scales, dtype) -> weight
+    block: Optional[int] = None  # elements a scale covers along a row (None: the whole row)
+    description: str = ""
+
+
+CODECS = {codec.name: codec for codec in (
+    Codec("fp8", quantize_rows, dequantize, description="e4m3, a scale per output row"),
+    Codec("nf4", nf4.quantize_blocks, nf4.dequantize_blocks, nf4.BLOCK,
+          description=f"4-bit NormalFloat, an absmax scale per {nf4.BLOCK} inputs"))}
+
+
 @dataclass
 class QuantizedWeights:
-    """The FP8 codes of frozen weights that one module computes with: a linear's `weight`, or
-    the rows of torch's grouped experts' [E, out, in] block (`params[e]`: expert e's weight).
-    Codes and scales are the owner's buffers `<name>_fp8` and `<name>_scale`."""
+    """The codes of frozen weights that one module computes with: a linear's `weight`, or the
+    rows of torch's grouped experts' [E, out, in] block (`params[e]`: expert e's weight).
+    Codes and scales are the owner's buffers `<name>_<codec>` (`_fp8`, `_nf4`) and `<name>_scale`."""
 
     owner: torch.nn.Module
     name: str
     params: list
     dtype: torch.dtype
-    shape: tuple  # of the codes: [out, in] or [E, out, in]
+    shape: tuple  # of the codes: [out, in] or [E, out, in] (nf4: in / 2)
+    codec: Codec = CODECS["fp8"]
     merged: bool = False  # the params hold real data (set_merged), the hooks leave them be
     live: list = field(default_factory=list)  # the materialisations of calls in progress
 
     @property
     def codes(self) -> torch.Tensor:
-        return getattr(self.owner, f"{self.name}_fp8")
+        return getattr(self.owner, f"{self.name}_{self.codec.name}")
 
     @property
     def scales(self) -> torch.Tensor:
@@ -102,8 +128,8 @@ class QuantizedWeights:
     def values(self, index: Optional[int] = None) -> torch.Tensor:
         """The dequantized weight (of expert `index` for a block), a new tensor."""
         if index is None:
-            return dequantize(self.codes, self.scales, self.dtype)
-        return dequantize(self.codes[index], self.scales[index], self.dtype)
+            return self.codec.dequantize(self.codes, self.scales, self.dtype)
+        return self.codec.dequantize(self.codes[index], self.scales[index], self.dtype)
 
     def index_of(self, param) -> Optional[int]:
         return None if len(self.shape) == 2 else next(i for i, p in enumerate(self.params) if p is param)
@@ -185,13 +211,13 @@ def _post_hook(record: QuantizedWeights):
 
 @torch.no_grad()
 def quantize_module(owner: torch.nn.Module, name: str, params: list, weight: torch.Tensor,
-                    group=None) -> QuantizedWeights:
-    """Quantize `weight` ([out, in], or the [E, out, in] block `params` view) into buffers of
-    `owner`, free the params' data and hook `owner`'s calls (module docstring)."""
-    codes, scales = quantize_rows(weight, group)
-    owner.register_buffer(f"{name}_fp8", codes, persistent=False)
+                    group=None, codec: Codec = CODECS["fp8"]) -> QuantizedWeights:
+    """Quantize `weight` ([out, in], or the [E, out, in] block `params` view) with `codec` into
+    buffers of `owner`, free the params' data and hook `owner`'s calls (module docstring)."""
+    codes, scales = codec.quantize(weight, group)
+    owner.register_buffer(f"{name}_{codec.name}", codes, persistent=False)
     owner.register_buffer(f"{name}_scale", scales, persistent=False)
-    record = QuantizedWeights(owner, name, params, weight.dtype, tuple(codes.shape))
+    record = QuantizedWeights(owner, name, params, weight.dtype, tuple(codes.shape), codec)
     for p in params:
         p.quantized_base = record
     record.release()

@@ -23,6 +23,7 @@ from lightning_mcore.hf.peft_export import export_peft
 from lightning_mcore.lora.adapters import apply_lora, set_merged
 from lightning_mcore.lora.checks import expert_backend_for_lora
 from lightning_mcore.lora.config import LoRAConfig
+from lightning_mcore.lora.quantized_base import CODECS
 from lightning_mcore.model.build import build_chunks  # here, not in the ranks: forked ones share it
 from lightning_mcore.model.config import GPTConfig
 from lightning_mcore.model.init import init_layout_invariant
@@ -115,9 +116,10 @@ class MegatronModule(L.LightningModule):
         chunks = self._build_chunks(strategy)
         if self.lora is not None:
             errors = apply_lora(chunks, self.lora, strategy.seed)
-            if errors:  # an FP8 base: how far its dequantized weights are from the loaded ones
+            if errors:  # a quantized base: how far its dequantized weights are from the loaded ones
                 self.base_quantization_error = errors
-                rank_zero_info("LoRA base in fp8 (e4m3, a scale per output row); relative error "
+                rank_zero_info(f"LoRA base in {self.lora.base_precision} "
+                               f"({CODECS[self.lora.base_precision].description}); relative error "
                                "against the loaded weights: "
                                + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()) + ".")
             trainable = count_parameters(chunks, trainable_only=True)

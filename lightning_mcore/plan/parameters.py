@@ -31,17 +31,19 @@ class ParameterCount:
     dense: int = 0
     experts: int = 0
     frozen: int = 0
-    # LoRA over an FP8 base (lora/quantized_base.py): the frozen weights held as 1-byte codes, their
-    # fp32 row scales (buffers, not parameters), and the largest weight (a linear, or a layer's
+    # LoRA over a quantized base (lora/quantized_base.py): the frozen weights held as codes, the
+    # codes' bytes (fp8: 1 a weight, nf4: 1/2), their fp32 scales (fp8: one a row, nf4: one per
+    # 64 inputs; buffers, not parameters), and the largest weight (a linear, or a layer's
     # [E, out, in] experts block) dequantized for one call
     quantized: int = 0
+    code_bytes: int = 0
     scales: int = 0
     largest_quantized: int = 0
 
     def __add__(self, other: "ParameterCount") -> "ParameterCount":
         return ParameterCount(self.dense + other.dense, self.experts + other.experts, self.frozen + other.frozen,
-                              self.quantized + other.quantized, self.scales + other.scales,
-                              max(self.largest_quantized, other.largest_quantized))
+                              self.quantized + other.quantized, self.code_bytes + other.code_bytes,
+                              self.scales + other.scales, max(self.largest_quantized, other.largest_quantized))
 
     @property
     def trainable(self) -> int:
@@ -104,16 +106,24 @@ def _layer(inputs: PlanInputs, layer: int) -> ParameterCount:
     return ParameterCount(dense=dense, experts=experts, frozen=base) + _quantized(inputs, lin)
 
 
+# base_precision -> (bytes a code, inputs a scale covers; None: a whole row)
+CODE_LAYOUT = {"fp8": (1.0, None), "nf4": (0.5, 64)}
+
+
 def _quantized(inputs: PlanInputs, lin: _Linears) -> ParameterCount:
-    """The targeted linears' weights an FP8 base holds as codes (biases stay in the weights' dtype)."""
+    """The targeted linears' weights a quantized base holds as codes (biases stay in the weights'
+    dtype)."""
     lora = inputs.lora
-    if lora.base_precision != "fp8":
+    if lora.base_precision not in CODE_LAYOUT:
         return ParameterCount()
+    code_byte, block = CODE_LAYOUT[lora.base_precision]
     targets = resolve_targets(lora.target_modules)
     blocks = [(1, out, inp) for name, (out, inp, _) in lin.dense.items() if name.rsplit(".", 1)[-1] in targets]
     if lin.experts and adapts_experts(lora, inputs.model):
         blocks += [(local, out, inp) for name, (local, out, inp, _) in lin.experts.items() if name in targets]
-    return ParameterCount(quantized=sum(e * o * i for e, o, i in blocks), scales=sum(e * o for e, o, _ in blocks),
+    weights = sum(e * o * i for e, o, i in blocks)
+    return ParameterCount(quantized=weights, code_bytes=int(weights * code_byte),
+                          scales=sum(e * o * (i // block if block else 1) for e, o, i in blocks),
                           largest_quantized=max((e * o * i for e, o, i in blocks), default=0))
 
 
