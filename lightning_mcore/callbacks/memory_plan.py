@@ -36,5 +36,8 @@ class MemoryPlanReport(L.Callback):
             planned = stage_plan(inputs, 0).total
         except (PlanError, AttributeError):  # a model the plan does not count, or not ours
             return
+        except Exception as error:  # noqa: BLE001 - a report must not end a training run
+            sys.stderr.write(f"memory: no plan for this run ({type(error).__name__}: {error}).\n")
+            return
         sys.stderr.write(report_line(planned, torch.cuda.max_memory_allocated(strategy.root_device),
                                      self.after_steps) + "\n")
