@@ -163,3 +163,25 @@ def test_a_linear_of_partial_blocks_is_refused_before_launch(capsys):
     err = fails(capsys, "--config", "configs/sft_lora_nf4.yaml", "--model.init_args.lora.target_modules", "all-linear")
     assert "error: invalid LoRA setting (model.init_args.lora.base_precision=nf4" in err
     assert "linear_fc2 has 352 inputs (ffn_hidden_size), not a multiple of 64" in err
+
+
+def test_a_tensor_parallel_shard_that_splits_a_block_is_refused_before_launch():
+    """Row-parallel inputs split over TP (experts: expert-TP): 128 FFN inputs hold whole blocks
+    at TP=1 and TP=2 (64 a rank) but not at TP=4 (32); the refusal names the option to change.
+    The experts' fc2 (256 inputs) splits over expert-TP alone."""
+    from lightning_mcore.lora.checks import LoRAPlanError, check_lora_plan
+    from toy import tiny_config
+
+    lora = LoRAConfig(rank=8, alpha=16, target_modules=["down_proj"], base_precision="nf4")
+    dense = tiny_config(hidden_size=128, ffn_hidden_size=128, num_attention_heads=4)
+    for tp in (1, 2):
+        check_lora_plan(lora, dense, tp=tp)
+    with pytest.raises(LoRAPlanError, match=r"linear_fc2's 128 inputs \(ffn_hidden_size\) split over 4 "
+                                            r"tensor-parallel ranks leave 32 per rank") as refused:
+        check_lora_plan(lora, dense, tp=4)
+    assert refused.value.options == ("tensor_model_parallel_size",)
+    moe = tiny_config(hidden_size=128, num_moe_experts=4, moe_ffn_hidden_size=256, moe_router_topk=2)
+    check_lora_plan(lora, moe, tp=8, etp=4)  # 256 / 4 = 64 a rank: whole blocks
+    with pytest.raises(LoRAPlanError, match=r"experts' linear_fc2's 256 inputs .* leave 32 per rank") as refused:
+        check_lora_plan(lora, moe, tp=1, etp=8)
+    assert refused.value.options == ("expert_tensor_parallel_size",)

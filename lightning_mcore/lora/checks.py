@@ -29,10 +29,13 @@ class LoRAPlanError(LoRAError):
         self.lora, self.fields, self.options = tuple(lora), tuple(fields), tuple(options)
 
 
-def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False) -> None:
+def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False, tp: int = 1,
+                    etp: Optional[int] = None) -> None:
     """Raise LoRAPlanError naming the settings and the fix; return None when `lora` applies.
-    `uses_te`: whether the model is built with Transformer Engine's layers. (Any expert-TP size
-    applies: expert adapters shard over it like the expert linears.)"""
+    `uses_te`: whether the model is built with Transformer Engine's layers; `tp`, `etp`: the
+    tensor- and expert-tensor-parallel sizes, which split row-parallel inputs (an NF4 block must
+    not straddle a shard). (Any expert-TP size applies to the adapters: they shard over it like
+    the expert linears.)"""
     if lora.experts and not model.num_moe_experts:
         raise LoRAPlanError(
             "LoRA experts=True, but the model has no MoE experts (num_moe_experts is not set): "
@@ -44,7 +47,7 @@ def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False)
             "the model's transformer_impl='local', or lora.base_precision='bf16'.",
             lora=("base_precision",), fields=("transformer_impl",))
     if lora.base_precision == "nf4":
-        check_block_widths(lora, model)
+        check_block_widths(lora, model, tp, etp or tp)
     if not adapts_experts(lora, model):
         return
     refuse_grouped_gemm_experts(lora, model, uses_te)
@@ -99,29 +102,38 @@ def refuse_grouped_gemm_experts(lora: LoRAConfig, model: "GPTConfig", uses_te: b
             lora=("experts",), fields=("moe_grouped_gemm", "moe_grouped_gemm_backend"))
 
 
-def check_block_widths(lora: LoRAConfig, model: "GPTConfig") -> None:
+def check_block_widths(lora: LoRAConfig, model: "GPTConfig", tp: int = 1, etp: int = 1) -> None:
     """NF4 quantizes blocks of 64 inputs within a row (lora/nf4.py): a targeted linear whose input
-    width is not whole blocks is refused here, before launch. (A tensor-parallel shard that
-    splits a block, and the linears of multi-latent attention, are refused where the base is
-    quantized, naming the layer: lora/adapters.py.)"""
+    width, or whose row-parallel shard's (its width / TP, experts: / expert-TP), is not whole
+    blocks is refused here, before launch. (The linears of multi-latent attention are refused
+    where the base is quantized, naming the layer: lora/adapters.py.)"""
     targets = resolve_targets(lora.target_modules)
-    widths = []  # (the linear, its input width, the model field that sets it)
+    widths = []  # (the linear, its input width, the model field that sets it, the shards of its inputs)
     if "linear_qkv" in targets or "linear_fc1" in targets:
-        widths.append(("linear_qkv/linear_fc1", model.hidden_size, "hidden_size"))
+        widths.append(("linear_qkv/linear_fc1", model.hidden_size, "hidden_size", 1))
     if "linear_proj" in targets and model.mla is None:
-        widths.append(("linear_proj", model.num_attention_heads * model.head_dim, "kv_channels"))
+        widths.append(("linear_proj", model.num_attention_heads * model.head_dim, "kv_channels", tp))
     if "linear_fc2" in targets:
         if any(not model.is_moe_layer(layer) for layer in range(model.num_layers)):
-            widths.append(("linear_fc2", model.ffn_hidden_size, "ffn_hidden_size"))
+            widths.append(("linear_fc2", model.ffn_hidden_size, "ffn_hidden_size", tp))
         if model.moe_shared_expert_intermediate_size:
             widths.append(("shared_experts.linear_fc2", model.moe_shared_expert_intermediate_size,
-                           "moe_shared_expert_intermediate_size"))
+                           "moe_shared_expert_intermediate_size", tp))
         if adapts_experts(lora, model):
             widths.append(("experts' linear_fc2", model.moe_ffn_hidden_size or model.ffn_hidden_size,
-                           "moe_ffn_hidden_size"))
-    for name, width, field in widths:
+                           "moe_ffn_hidden_size", etp))
+    for name, width, field, shards in widths:
         if width % nf4.BLOCK:
             raise LoRAPlanError(
                 f"LoRA base_precision='nf4' quantizes blocks of {nf4.BLOCK} inputs, but {name} has {width} "
                 f"inputs ({field}), not a multiple of {nf4.BLOCK}: leave it out of lora.target_modules, "
                 f"or use lora.base_precision='fp8'.", lora=("base_precision", "target_modules"), fields=(field,))
+        if width // shards % nf4.BLOCK:
+            option = "expert_tensor_parallel_size" if shards == etp and name.startswith("experts") \
+                else "tensor_model_parallel_size"
+            raise LoRAPlanError(
+                f"LoRA base_precision='nf4' quantizes blocks of {nf4.BLOCK} inputs, but {name}'s {width} inputs "
+                f"({field}) split over {shards} tensor-parallel ranks leave {width // shards} per rank, not a "
+                f"multiple of {nf4.BLOCK}: choose a {option} that leaves whole blocks, leave {name} out of "
+                f"lora.target_modules, or use lora.base_precision='fp8'.",
+                lora=("base_precision", "target_modules"), fields=(field,), options=(option,))

@@ -262,7 +262,8 @@ class MegatronStrategy(DDPStrategy):
                               optim if isinstance(optim, OptimizerSettings) else None, accelerator, use_te)
         validate_reference_offload(getattr(module, "offload_reference", False), accelerator)
         if getattr(module, "lora", None) is not None and model_config is not None:
-            check_lora_plan(module.lora, model_config, use_te)
+            check_lora_plan(module.lora, model_config, use_te, parallel.tensor_model_parallel_size,
+                            parallel.expert_tensor_parallel_size)
         if model_config is not None:  # after LoRA's check, whose refusal names the LoRA fix
             validate_expert_kernel(model_config, use_te)
         return parallel
