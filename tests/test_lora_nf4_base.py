@@ -185,3 +185,20 @@ def test_a_tensor_parallel_shard_that_splits_a_block_is_refused_before_launch():
     with pytest.raises(LoRAPlanError, match=r"experts' linear_fc2's 256 inputs .* leave 32 per rank") as refused:
         check_lora_plan(lora, moe, tp=1, etp=8)
     assert refused.value.options == ("expert_tensor_parallel_size",)
+
+
+@pytest.mark.parametrize("name", ["fp8", "nf4"])
+def test_dequantizing_a_few_rows_at_a_time_gives_the_one_call_values(name, monkeypatch):
+    """A weight is dequantized in chunks of rows (bounded fp32 intermediates): an experts block
+    [E, out, in] chunked into 3 rows at a time, rows crossing expert boundaries, equals the codec's
+    own dequantization of the whole block."""
+    from lightning_mcore.lora import quantized_base
+
+    codec = quantized_base.CODECS[name]
+    block = torch.randn(3, 8, 128, generator=torch.Generator().manual_seed(0))
+    codes, scales = codec.quantize(block, None)
+    whole = codec.dequantize(codes, scales, torch.bfloat16)
+    monkeypatch.setattr(quantized_base, "CHUNK_ELEMENTS", 3 * 128)
+    chunked = quantized_base.dequantized(codec, codes, scales, torch.bfloat16)
+    assert chunked.shape == whole.shape == block.shape and torch.equal(chunked, whole)
+    assert torch.equal(quantized_base.dequantized(codec, codes[1], scales[1], torch.bfloat16), whole[1])

@@ -85,6 +85,26 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
     return (codes.float() * scales.unsqueeze(-1)).to(dtype)
 
 
+# rows dequantized at a time: their fp32 intermediates (~10-15 bytes an element) stay near 2^24
+# elements' worth, not a whole [E, out, in] experts block's (~9 GB for a Qwen3-30B-A3B layer in nf4)
+CHUNK_ELEMENTS = 1 << 24
+
+
+def dequantized(codec: "Codec", codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codec.dequantize of codes [..., out, c] and their scales, a few rows at a time, into one
+    tensor of `dtype` (the same values as in one call: each element is computed alone)."""
+    lead, rows = codes.shape[:-1], codes.shape[:-1].numel()
+    flat_codes = codes.reshape(rows, codes.shape[-1])
+    flat_scales = scales.reshape(rows, *scales.shape[codes.dim() - 1:])
+    width = codec.dequantize(flat_codes[:1], flat_scales[:1], dtype).shape[-1]
+    out = torch.empty(rows, width, dtype=dtype, device=codes.device)
+    step = max(1, CHUNK_ELEMENTS // width)
+    for start in range(0, rows, step):
+        rows_here = slice(start, start + step)
+        out[rows_here] = codec.dequantize(flat_codes[rows_here], flat_scales[rows_here], dtype)
+    return out.reshape(*lead, width)
+
+
 @dataclass(frozen=True)
 class Codec:
     """How one base precision holds a weight [..., out, in] as (codes, scales) and gives it back."""
@@ -128,8 +148,8 @@ class QuantizedWeights:
     def values(self, index: Optional[int] = None) -> torch.Tensor:
         """The dequantized weight (of expert `index` for a block), a new tensor."""
         if index is None:
-            return self.codec.dequantize(self.codes, self.scales, self.dtype)
-        return self.codec.dequantize(self.codes[index], self.scales[index], self.dtype)
+            return dequantized(self.codec, self.codes, self.scales, self.dtype)
+        return dequantized(self.codec, self.codes[index], self.scales[index], self.dtype)
 
     def index_of(self, param) -> Optional[int]:
         return None if len(self.shape) == 2 else next(i for i, p in enumerate(self.params) if p is param)
