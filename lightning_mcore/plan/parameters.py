@@ -97,34 +97,38 @@ def _ends(inputs: PlanInputs, pre: bool, post: bool) -> ParameterCount:
 
 def _layer(inputs: PlanInputs, layer: int) -> ParameterCount:
     lin = _linears(inputs, layer)
-    base = lin.other + sum(o * i + (o if b else 0) for o, i, b in lin.dense.values()) + \
-        sum(e * (o * i + (o if b else 0)) for e, o, i, b in lin.experts.values())
+    experts = sum(e * (o * i + (o if b else 0)) for e, o, i, b in lin.experts.values())
+    dense = lin.other + sum(o * i + (o if b else 0) for o, i, b in lin.dense.values())
     if inputs.lora is None:
-        experts = sum(e * (o * i + (o if b else 0)) for e, o, i, b in lin.experts.values())
-        return ParameterCount(dense=base - experts, experts=experts)
-    dense, experts = _adapters(inputs, lin)
-    return ParameterCount(dense=dense, experts=experts, frozen=base) + _quantized(inputs, lin)
+        return ParameterCount(dense=dense, experts=experts)
+    blocks = _targeted(inputs, lin)
+    return ParameterCount(frozen=dense + experts) + _adapters(inputs, blocks) + _quantized(inputs, blocks)
+
+
+def _targeted(inputs: PlanInputs, lin: _Linears) -> list[tuple[int, int, int, bool]]:
+    """(local experts or 1, out, in, routed) of each linear LoRA adapts on this rank."""
+    lora = inputs.lora
+    targets = resolve_targets(lora.target_modules)
+    blocks = [(1, out, inp, False) for name, (out, inp, _) in lin.dense.items() if name.rsplit(".", 1)[-1] in targets]
+    if lin.experts and adapts_experts(lora, inputs.model):
+        blocks += [(local, out, inp, True) for name, (local, out, inp, _) in lin.experts.items() if name in targets]
+    return blocks
 
 
 # base_precision -> (bytes a code, inputs a scale covers; None: a whole row)
 CODE_LAYOUT = {"fp8": (1.0, None), "nf4": (0.5, 64)}
 
 
-def _quantized(inputs: PlanInputs, lin: _Linears) -> ParameterCount:
-    """The targeted linears' weights a quantized base holds as codes (biases stay in the weights'
-    dtype)."""
-    lora = inputs.lora
-    if lora.base_precision not in CODE_LAYOUT:
+def _quantized(inputs: PlanInputs, blocks: list) -> ParameterCount:
+    """The targeted linears' weights (`blocks`: _targeted) a quantized base holds as codes
+    (biases stay in the weights' dtype)."""
+    if inputs.lora.base_precision not in CODE_LAYOUT:
         return ParameterCount()
-    code_byte, block = CODE_LAYOUT[lora.base_precision]
-    targets = resolve_targets(lora.target_modules)
-    blocks = [(1, out, inp) for name, (out, inp, _) in lin.dense.items() if name.rsplit(".", 1)[-1] in targets]
-    if lin.experts and adapts_experts(lora, inputs.model):
-        blocks += [(local, out, inp) for name, (local, out, inp, _) in lin.experts.items() if name in targets]
-    weights = sum(e * o * i for e, o, i in blocks)
+    code_byte, block = CODE_LAYOUT[inputs.lora.base_precision]
+    weights = sum(e * o * i for e, o, i, _ in blocks)
     return ParameterCount(quantized=weights, code_bytes=int(weights * code_byte),
-                          scales=sum(e * o * (i // block if block else 1) for e, o, i in blocks),
-                          largest_quantized=max((e * o * i for e, o, i in blocks), default=0))
+                          scales=sum(e * o * (i // block if block else 1) for e, o, i, _ in blocks),
+                          largest_quantized=max((e * o * i for e, o, i, _ in blocks), default=0))
 
 
 def _linears(inputs: PlanInputs, layer: int) -> _Linears:
@@ -160,17 +164,11 @@ def _linears(inputs: PlanInputs, layer: int) -> _Linears:
     return _Linears(dense, experts, other)
 
 
-def _adapters(inputs: PlanInputs, lin: _Linears) -> tuple[int, int]:
-    """LoRA's A and B of each targeted linear (lora/adapters.py), r x (out + in) of this rank's
-    shard: a column-parallel linear's A [r, in] is whole and B [out/tp, r] sharded like it, a
-    row-parallel one's A [r, in/tp] sharded and B [out, r] whole; routed experts' per local
-    expert, sharded over expert-TP."""
-    lora = inputs.lora
-    targets, r = resolve_targets(lora.target_modules), lora.rank
-    dense = sum(r * (out + inp) for name, (out, inp, _) in lin.dense.items()
-                if name.rsplit(".", 1)[-1] in targets)
-    experts = 0
-    if lin.experts and adapts_experts(lora, inputs.model):
-        experts = sum(local * r * (out + inp) for name, (local, out, inp, _) in lin.experts.items()
-                      if name in targets)
-    return dense, experts
+def _adapters(inputs: PlanInputs, blocks: list) -> ParameterCount:
+    """LoRA's A and B of each targeted linear (`blocks`: _targeted; lora/adapters.py), r x (out +
+    in) of this rank's shard: a column-parallel linear's A [r, in] is whole and B [out/tp, r]
+    sharded like it, a row-parallel one's A [r, in/tp] sharded and B [out, r] whole; routed
+    experts' per local expert, sharded over expert-TP."""
+    r = inputs.lora.rank
+    return ParameterCount(dense=sum(r * (o + i) for _, o, i, routed in blocks if not routed),
+                          experts=sum(e * r * (o + i) for e, o, i, routed in blocks if routed))
