@@ -86,25 +86,19 @@ biggest() {  # the largest of 1, 2, 4 up to $1 that divides each rank's rows
   local m; for m in 4 2 1; do [ "$m" -le "$1" ] && [ $((GBS / NGPU % m)) -eq 0 ] && { echo $m; return; }; done
 }
 
-run() {  # label, environment, seconds it needs at least, script, its arguments
-  local label=$1 envs=$2 need=$3 script=$4; shift 4
-  if [ -n "${DRY_RUN:-}" ]; then echo "$NGPU $script $*" >> "$DRY_RUN"; return; fi
+run() {  # label, environment, seconds it needs at least, script, its arguments; GPUS=1: one process on GPU 0
+  local label=$1 envs=$2 need=$3 script=$4 gpus=${GPUS:-$NGPU}; shift 4
+  if [ -n "${DRY_RUN:-}" ]; then echo "$gpus $script $*" >> "$DRY_RUN"; return; fi
   local left=$((deadline - SECONDS))
   if [ $left -lt "$need" ]; then echo "skipped $label: $left s left, it needs $need" | tee -a "$LOG"; return; fi
   echo "== $label ($left s left): $script $*" >> "$LOG"
-  env $envs timeout -k 15 $((left - 15)) torchrun --standalone --nproc-per-node "$NGPU" "benchmarks/$script" "$@" 2>&1 \
+  local launch="torchrun --standalone --nproc-per-node $gpus"
+  [ "$gpus" -eq 1 ] && launch="python" && envs="$envs CUDA_VISIBLE_DEVICES=0"
+  env $envs timeout -k 15 $((left - 15)) $launch "benchmarks/$script" "$@" 2>&1 \
     | tee -a "$LOG" | grep '^RESULT' | sed "s/^RESULT {/{\"label\": \"$label\", /" >> "$JSONL"
 }
 hf() { local label=$1 need=$2; shift 2; run "$label" "$HF_ENV" "$need" hf_fsdp2.py "$@"; }
-one_gpu() {  # label, seconds it needs at least, script, its arguments: one process on GPU 0
-  local label=$1 need=$2 script=$3; shift 3
-  if [ -n "${DRY_RUN:-}" ]; then echo "1 $script $*" >> "$DRY_RUN"; return; fi
-  local left=$((deadline - SECONDS))
-  if [ $left -lt "$need" ]; then echo "skipped $label: $left s left, it needs $need" | tee -a "$LOG"; return; fi
-  echo "== $label ($left s left): $script $*" >> "$LOG"
-  CUDA_VISIBLE_DEVICES=0 timeout -k 15 $((left - 15)) python "benchmarks/$script" "$@" 2>&1 \
-    | tee -a "$LOG" | grep '^RESULT' | sed "s/^RESULT {/{\"label\": \"$label\", /" >> "$JSONL"
-}
+one_gpu() { local label=$1 need=$2 script=$3; shift 3; GPUS=1 run "$label" "" "$need" "$script" "$@"; }
 ours() { local label=$1 need=$2 script=$3; shift 3; run "$label" "$OURS_ENV" "$need" "$script" "$@"; }
 best() {  # the sweep stage's fastest HF settings, or the fallback
   [ -n "${DRY_RUN:-}" ] && { echo "$2"; return; }
