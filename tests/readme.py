@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,13 @@ def clean_env(tmp: Path, **extra: str) -> dict:
                HF_DATASETS_CACHE=str(tmp / ".datasets-cache"), **extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+def free_port() -> int:
+    """A localhost port nothing listens on now, for a launch's rendezvous (MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def warnings_in(text: str) -> list[str]:

@@ -4,7 +4,6 @@ attention, eager experts; + peft for LoRA) with torch's AdamW over the whole glo
 written out by hand; and its LoRA trains the adapters only, the experts' included."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,18 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_fsdp2_masked import MaskedRows
+from readme import free_port
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the benchmark scripts import each other by name
 import hf_baseline  # noqa: E402
 
 SEQ, GBS, STEPS, LR = 32, 4, 2, 1e-3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(tmp_path: Path, args: list[str], world: int = 2) -> dict:

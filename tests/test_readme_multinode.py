@@ -5,22 +5,15 @@ steps. Each rank is started by the launcher, not by Lightning: were the launcher
 not recognised, every process would start a world of its own and the run would not end cleanly
 with exactly two ranks."""
 
-import socket
 import subprocess
 
 import pytest
-from readme import as_python, clean_env, commands, section, user_dir
+from readme import as_python, clean_env, commands, free_port, section, user_dir
 
 pytestmark = pytest.mark.distributed
 
 MULTINODE = "Several nodes: torchrun and SLURM"
 PAGE = "parallelism.md"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def adapt(argv: list[str], values: dict[str, str]) -> list[str]:
