@@ -35,6 +35,8 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
@@ -44,8 +46,12 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings
 from lightning_mcore.data.packing import build_row
 from lightning_mcore.lora.config import LoRAConfig
+from lightning_mcore.callbacks.memory_plan import MemoryPlanReport
 from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.objectives.sft import SFTModule
+from lightning_mcore.plan.memory import stage_plan
+from lightning_mcore.plan.parameters import PlanError
+from lightning_mcore.plan.run import plan_inputs
 
 UNTIMED_STEPS = 3  # model build, first allocations, TE autotuning
 
@@ -106,7 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="samples of seq // K tokens per row (1: one sequence of --seq tokens)")
     ap.add_argument("--steps", type=int, default=12, help=f"optimizer steps, the first {UNTIMED_STEPS} not timed")
     ap.add_argument("--gbs", type=int, default=4, help="global batch (rows per step)")
+    ap.add_argument("--mbs", type=int, default=1, help="micro batch (rows per forward)")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (2 warmup steps, then cosine to 0 at --steps)")
     ap.add_argument("--alpha", type=float, default=None, help="default: 2 x rank")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE shapes)")
     ap.add_argument("--experts", default="auto", choices=["auto", "te", "torch"],
@@ -122,6 +130,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --recompute-selective, e.g. core_attn,mlp,layernorm")
     ap.add_argument("--optimizer-offload", type=float, default=0.0, metavar="FRACTION",
                     help="share of Adam's state (and update) in CPU memory; 0: off")
+    ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8", "nf4"],
+                    help="LoRAConfig.base_precision: how the frozen base that LoRA adapts is held")
+    ap.add_argument("--impl", default="auto", choices=["auto", "local"],
+                    help="GPTConfig.transformer_impl (local: mcore's own linears, SDPA attention; what an fp8 or "
+                         "nf4 base needs)")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
+                    help="cap torch's allocator at this much memory per GPU (an 80 GB H100 on an H200: 79; "
+                         "torch.cuda.set_per_process_memory_fraction, which leaves the CUDA context and NCCL out)")
+    ap.add_argument("--data", default="random", help="'random' (packed synthetic rows) or a real_text.py token directory")
+    ap.add_argument("--losses", action="store_true", help="print each step's loss (a STEP line) and list them in RESULT")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="stop after the step that ends past S seconds of training (RESULT counts the steps done)")
     args = ap.parse_args(argv)
     if args.steps <= UNTIMED_STEPS:
         ap.error(f"--steps must be more than the {UNTIMED_STEPS} untimed steps")
@@ -135,6 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--optimizer-offload is a fraction in [0, 1]")
     if args.layers is not None and args.layers < 1:
         ap.error("--layers must be >= 1")
+    if args.base_precision != "bf16" and (args.full or args.impl != "local"):
+        ap.error("--base-precision fp8/nf4 is LoRA over mcore's local layers: drop --full, add --impl local")
     return args
 
 
@@ -149,24 +171,25 @@ def model_config(args) -> GPTConfig:
         modules = args.recompute_modules.split(",") if args.recompute_modules else None
         recompute = dict(recompute_granularity="selective", recompute_modules=modules)
     experts = dict(moe_grouped_gemm_backend=args.experts) if shape.get("num_moe_experts") else {}
-    return GPTConfig(**shape, seq_length=args.seq, **recompute, **experts)
+    return GPTConfig(**shape, seq_length=args.seq, transformer_impl=args.impl, **recompute, **experts)
 
 
 def optimizer_settings(args) -> OptimizerSettings:
     offload = dict(cpu_offload=True, offload_fraction=args.optimizer_offload) if args.optimizer_offload else {}
-    return OptimizerSettings(lr=1e-4, warmup_steps=2, **offload)
+    return OptimizerSettings(lr=args.lr, warmup_steps=2, **offload)
 
 
 def settings(args, cfg: GPTConfig, devices: int) -> dict:
     """What a RESULT line says about the run, measured or not."""
     return {
         "shape": args.shape, "layers": cfg.num_layers, "params": model_parameters(cfg),
-        "seq": args.seq, "samples_per_row": args.samples_per_row, "gbs": args.gbs,
-        "lora_rank": None if args.full else args.rank, "ep": args.ep, "cp": args.cp,
+        "seq": args.seq, "samples_per_row": args.samples_per_row, "gbs": args.gbs, "mbs": args.mbs,
+        "lora_rank": None if args.full else args.rank, "lr": args.lr, "ep": args.ep, "cp": args.cp,
         "dp": devices // args.cp, "devices": devices,
         "recompute": "full" if args.recompute else "selective" if args.recompute_selective else None,
         "recompute_modules": args.recompute_modules, "optimizer_offload": args.optimizer_offload,
-        "experts": args.experts if cfg.num_moe_experts else None,
+        "experts": args.experts if cfg.num_moe_experts else None, "base_precision": args.base_precision,
+        "impl": args.impl, "memory_cap_gib": args.memory_cap_gib, "data": args.data,
     }
 
 
@@ -177,21 +200,40 @@ def device_name() -> str:
 
 
 class Bench(L.Callback):
-    """Times each step. On running out of GPU memory, prints one `RESULT {"oom": true, ...}`
-    line (`settings` and what was reached) and ends the process before Lightning's teardown,
-    whose collectives would wait for the other ranks."""
+    """Times each step (and, with --losses, prints its loss as a `STEP {...}` line on rank 0, so a
+    run cut short still leaves its curve). On running out of GPU memory, prints one
+    `RESULT {"oom": true, ...}` line (`settings` and what was reached) and ends the process
+    before Lightning's teardown, whose collectives would wait for the other ranks."""
 
-    def __init__(self, settings: dict, devices: int, rank: int) -> None:
+    def __init__(self, settings: dict, devices: int, rank: int, losses: bool = False,
+                 time_limit: Optional[float] = None) -> None:
         self.settings, self.devices, self.rank = settings, devices, rank
         self.times: list[float] = []
+        self.losses: Optional[list[float]] = [] if losses else None
+        self.time_limit = time_limit
+        self.setup_peak_gb: Optional[float] = None
+
+    def on_train_start(self, *a):
+        """The peak of building and loading (a quantized base is built in bf16 first) is kept apart:
+        peak_mem_gb is then training's own."""
+        if torch.cuda.is_available():
+            self.setup_peak_gb = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            torch.cuda.reset_peak_memory_stats()
 
     def on_train_batch_start(self, *a):
         torch.cuda.synchronize()
         self.t = time.perf_counter()
 
-    def on_train_batch_end(self, *a):
+    def on_train_batch_end(self, trainer, *a):
         torch.cuda.synchronize()
         self.times.append(time.perf_counter() - self.t)
+        if self.losses is not None:
+            self.losses.append(round(float(trainer.callback_metrics["loss"]), 4))
+            if self.rank == 0:
+                print("STEP " + json.dumps({"step": len(self.times), "loss": self.losses[-1],
+                                            "s": round(self.times[-1], 3)}), flush=True)
+        if self.time_limit is not None and sum(self.times) > self.time_limit:
+            trainer.should_stop = True  # every rank's times agree to within a step: ranks stop alike
 
     def on_exception(self, trainer, module, error):
         if not is_out_of_memory(error):
@@ -205,24 +247,57 @@ class Bench(L.Callback):
         os._exit(0 if self.devices == 1 else 1)
 
 
+class RealTextRows(Dataset):
+    """real_text.TokenWindows' windows as SFT rows: one sample per row, loss on every token."""
+
+    def __init__(self, directory: str, seq: int) -> None:
+        from real_text import TokenWindows  # benchmarks/ is the script's directory, only --data needs it
+
+        self.windows = TokenWindows(Path(directory, "tokens.npy"), seq)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int):
+        row = self.windows[i]
+        return {**row, "segment_ids": torch.ones_like(row["tokens"])}
+
+
+def planned_gib(trainer, module) -> Optional[float]:
+    """lightning-mcore plan's per-GPU total for this run (pipeline stage 0), beside the measured peak."""
+    strategy = trainer.strategy
+    try:
+        inputs = plan_inputs(strategy, module, strategy.parallel, trainer.world_size, True, on_gpu=True)
+        return round(stage_plan(inputs, 0).total / 2**30, 1)
+    except PlanError:
+        return None
+
+
 def main() -> None:
     args = parse_args()
     cfg = model_config(args)
     devices = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    bench = Bench(settings(args, cfg, devices), devices, rank)
+    if args.memory_cap_gib:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        total = torch.cuda.get_device_properties(local).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), local)
+    bench = Bench(settings(args, cfg, devices), devices, rank, args.losses, args.time_limit)
     # the distributed optimizer (the GPU default, said here because optimizer offload needs it)
-    strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1, expert_model_parallel_size=args.ep,
+    strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=args.mbs, expert_model_parallel_size=args.ep,
                                 expert_tensor_parallel_size=1 if args.ep > 1 else None,
                                 context_parallel_size=args.cp, use_distributed_optimizer=True)
     trainer = L.Trainer(accelerator="gpu", devices=devices, strategy=strategy, precision="bf16-mixed",
                         max_steps=args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[bench])
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[bench, MemoryPlanReport()])
     lora = None if args.full else LoRAConfig(target_modules="all-linear", rank=args.rank,
-                                                 alpha=args.alpha or 2.0 * args.rank)
+                                                 alpha=args.alpha or 2.0 * args.rank,
+                                                 base_precision=args.base_precision)
     module = SFTModule(cfg, optimizer_settings(args), lora=lora)
-    data = DataLoader(PackedRows(args.gbs * args.steps, args.seq, cfg.vocab_size, args.samples_per_row),
-                      batch_size=args.gbs // (devices // args.cp))
+    rows = (PackedRows(args.gbs * args.steps, args.seq, cfg.vocab_size, args.samples_per_row)
+            if args.data == "random" else RealTextRows(args.data, args.seq))
+    data = DataLoader(rows, batch_size=args.gbs // (devices // args.cp), shuffle=False)
     trainer.fit(module, data)
 
     steady = bench.times[UNTIMED_STEPS:]
@@ -238,11 +313,14 @@ def main() -> None:
             "mfu_full_model_flops": round(tokens * flops_per_token(cfg, args.seq) / peak, 3),
             "mfu_sample_attention": round(tokens * flops_per_token(cfg, sample) / peak, 3),
             "mfu_flops_run": round(tokens * run_flops / peak, 3),
-            "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),  # training's (Bench.on_train_start)
+            "setup_peak_gb": bench.setup_peak_gb,
             # what nvidia-smi shows (less the CUDA context): the allocator's cache included
             "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 1),
             "host_peak_rss_gb": host_peak_rss_gb(),
             "trainable_params": getattr(module, "lora_trainable_parameters", None),
+            "plan_gib": planned_gib(trainer, module), "steps_done": len(bench.times),
+            **({"losses": bench.losses} if bench.losses is not None else {}),
         }), flush=True)
 
 

@@ -109,6 +109,7 @@ READ_BY = {
     ("hf-families.md", "Adding a family"): "test_readme_examples.py",
     ("pretraining.md", "Data"): "test_data_indexed.py",
     ("gpu.md", "Memory plan before launch"): "test_memory_plan.py",
+    ("lora.md", "Qwen3-30B-A3B on one GPU"): "test_memory_plan.py",
     ("lora.md", "LoRA over an FP8 base"): "test_lora_fp8_base.py",
     ("lora.md", "LoRA over an NF4 (4-bit) base"): "test_lora_nf4_base.py",
     ("parallelism.md", "Several nodes: torchrun and SLURM"): "test_readme_multinode.py",

@@ -206,22 +206,25 @@ def test_plan_command_refuses_a_bad_setting_in_one_line(args, key):
     assert "Traceback" not in proc.stderr
 
 
-def test_docs_plan_command_prints_what_the_page_shows(tmp_path):
-    """docs/gpu.md's command, run as a user runs it (a fresh interpreter, a directory with
-    configs/ and the model's config.json), prints the output the page shows; its Python block
-    gives the same plan."""
-    text = section("Memory plan before launch", "gpu.md")
+@pytest.mark.parametrize("title,page", [("Memory plan before launch", "gpu.md"),
+                                        ("Qwen3-30B-A3B on one GPU", "lora.md")])
+def test_docs_plan_command_prints_what_the_page_shows(title, page, tmp_path):
+    """The page's command, run as a user runs it (a fresh interpreter, a directory with
+    configs/ and the model's config.json), prints the output the page shows; a Python block
+    on the page gives the same plan."""
+    text = section(title, page)
     (argv,) = commands(text)
     cwd = user_dir(tmp_path)
     transformers.Qwen3MoeConfig(**QWEN3_30B_A3B).save_pretrained(cwd / "checkpoints" / "Qwen3-30B-A3B")
     shown = code_blocks(text, "text")[0]
     assert run_readme(argv, cwd).stdout == shown
-    (block,) = code_blocks(text, "python")
-    proc = subprocess.run([sys.executable, "-c", block], cwd=cwd, env=clean_env(cwd), capture_output=True,
-                          text=True, timeout=300)
-    total = next(line.split()[1] for line in shown.splitlines() if line.split()[:1] == ["total"])
-    trained = shown.splitlines()[1].split(", ")[-1].split()[0]
-    assert proc.returncode == 0 and proc.stdout == f"{total} GiB per GPU, {trained} trained parameters\n", proc.stderr
+    for block in code_blocks(text, "python"):
+        proc = subprocess.run([sys.executable, "-c", block], cwd=cwd, env=clean_env(cwd), capture_output=True,
+                              text=True, timeout=300)
+        total = next(line.split()[1] for line in shown.splitlines() if line.split()[:1] == ["total"])
+        trained = shown.splitlines()[1].split(", ")[-1].split()[0]
+        assert proc.returncode == 0 and proc.stdout == f"{total} GiB per GPU, {trained} trained parameters\n", \
+            proc.stderr
 
 
 def test_fit_reports_the_plan_beside_the_peak_on_gpu_only(tmp_path, capfd):

@@ -35,8 +35,12 @@ def describe(inputs: PlanInputs, ranks: str = "GPUs") -> str:
              + f" DP={inputs.data_parallel_size}" + (" SP" if p.sequence_parallel else ""))
     optim = inputs.optim.optimizer + (" distributed" if p.use_distributed_optimizer else "") + \
         (f" offload {inputs.optim.offload_fraction:g}" if inputs.optim.cpu_offload else "")
-    lora = f"LoRA r{inputs.lora.rank}" if inputs.lora else "full"
+    lora = "full"
+    if inputs.lora:
+        base = inputs.lora.base_precision
+        lora = f"LoRA r{inputs.lora.rank}" + (f" over an {base} base" if base != "bf16" else "")
     recompute = m.recompute_granularity or "none"
+    ranks = ranks[:-1] if inputs.world_size == 1 else ranks  # "1 GPU", "1 CPU rank"
     return (f"{inputs.world_size} {ranks}, {sizes}; {'bf16' if inputs.bf16 else 'fp32'}, {optim}, {lora}, "
             f"recompute {recompute}; micro batch {inputs.micro_batch_size} x seq {m.seq_length}")
 
@@ -50,6 +54,6 @@ def plan_table(inputs: PlanInputs, plan: MemoryPlan, gpu_bytes: Optional[int] = 
     lines += [f"  {name:<16}{gib(value)}" for name, value in plan.components().items()]
     lines.append(f"  {'total':<16}{gib(plan.total)}")
     if gpu_bytes is not None:
-        lines.append(f"largest micro batch in {gpu_bytes / GiB:g} GiB: {largest}"
+        lines.append(f"largest micro batch in {gpu_bytes / GiB:.4g} GiB: {largest}"
                      + (" (none fits)" if largest == 0 else " or more" if largest == MICRO_BATCH_LIMIT else ""))
     return "\n".join(lines)

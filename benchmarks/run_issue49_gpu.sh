@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 49 on 2 GPUs of one H200 machine, one stage per call (each within the device's 600 s limit).
+# Before the first: bash .gpu/kit/install.sh && source .gpu/kit/env.sh, bitsandbytes installed for `ep2`'s
+# QLoRA baseline, and the real-text tokens (benchmarks/real_text.py) in $TEXT.
+#   one30  GPU 0: Qwen3-30B-A3B (all 48 layers, random weights) LoRA r8 on every linear, experts included,
+#          over an FP8 base on ONE GPU with torch's allocator capped at 78 GiB (an 80 GB H100 leaves torch
+#          ~79 GiB), mcore's local layers (what an fp8 base runs on) and torch's grouped experts, full
+#          recompute, seq 4096, global batch 2, real text, up to 200 steps (each step's loss printed)
+#          GPU 1 meanwhile: dequant_speed.py; then Llama-3-8B-shape LoRA r16 with a bf16 base (TE layers,
+#          and mcore's local layers), an fp8 base and an nf4 base (local layers), 10 steps each
+#   ep2    the same Qwen3-30B-A3B LoRA with the bf16 base on 2 GPUs at EP=2 (TE layers, torch's grouped
+#          experts: the recipe's layout), the same rows and steps: the loss curve the FP8 one is held to;
+#          then ours (nf4 base) against HF + peft + bitsandbytes QLoRA, Llama-3-8B shape, one GPU each at
+#          the same time, then again with the GPUs swapped
+# Raw lines (RESULT and STEP, each with its "label") go to $OUT/${TAG}_<stage>.jsonl, logs to
+# $OUT/${TAG}_<stage>_<label>.log.
+set -uo pipefail
+OUT=${OUT:-.}
+TAG=${TAG:-s27}
+TEXT=${TEXT:-/tmp/text}
+stage=${1:?stage}
+JSONL=$OUT/${TAG}_$stage.jsonl
+
+job() {  # label, GPUs (CUDA_VISIBLE_DEVICES), seconds, then the command
+  local label=$1 gpus=$2 seconds=$3; shift 3
+  echo "== $label on GPU $gpus: $*" > "$OUT/${TAG}_${stage}_$label.log"
+  CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$seconds" "$@" >> "$OUT/${TAG}_${stage}_$label.log" 2>&1
+  echo "== $label exit $?" >> "$OUT/${TAG}_${stage}_$label.log"
+  grep -E '^(RESULT|STEP) ' "$OUT/${TAG}_${stage}_$label.log" \
+    | sed -E "s/^(RESULT|STEP) \{/{\"label\": \"$label\", \"line\": \"\1\", /" >> "$JSONL"
+}
+LORA30="benchmarks/bench_lora_sft.py --shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --recompute --seq 4096
+  --samples-per-row 1 --gbs 2 --mbs 1 --steps 200 --lr 1e-3 --data $TEXT --losses --time-limit 390"
+LORA8B="benchmarks/bench_lora_sft.py --shape llama-8b --rank 16 --alpha 32 --samples-per-row 1 --gbs 8 --steps 10"
+
+case $stage in
+  one30)
+    job fp8-1gpu 0 555 python $LORA30 --impl local --base-precision fp8 --memory-cap-gib 78 &
+    one=$!
+    (
+      job dequant 1 120 python benchmarks/dequant_speed.py
+      job 8b-bf16-te 1 110 python $LORA8B
+      for p in bf16 fp8 nf4; do job "8b-$p-local" 1 100 python $LORA8B --impl local --base-precision $p; done
+    ) &
+    other=$!
+    wait $one $other ;;
+  ep2)
+    job bf16-ep2 0,1 300 torchrun --standalone --nproc-per-node 2 $LORA30 --ep 2
+    for k in 1 2; do
+      [ $k = 1 ] && a=0 b=1 || a=1 b=0
+      job "ours-nf4#$k" $a 110 python $LORA8B --impl local --base-precision nf4 &
+      first=$!
+      job "hf-qlora#$k" $b 110 python benchmarks/hf_fsdp2.py --qlora --shape llama-8b --lora-rank 16 --lora-alpha 32 \
+        --data sft --gbs 8 --steps 10 --warmup 4 ${HFQLORA:---mbs 1} &
+      second=$!
+      wait $first $second
+    done ;;
+  *) echo "unknown stage $stage (one30, ep2)"; exit 2 ;;
+esac
+cut -c1-300 "$JSONL" | grep -v '"STEP"' ; grep -h -i "error\|Traceback\|memory:" "$OUT/${TAG}_${stage}"_*.log | tail -8
