@@ -4,6 +4,10 @@ accelerate and trl take), one process per GPU under torchrun, configured as its 
     torchrun --nproc-per-node 2 benchmarks/hf_fsdp2.py --shape qwen3-30b-a3b --layers 16 --ac --compile --mbs 1,2,4
     torchrun --nproc-per-node 2 benchmarks/hf_fsdp2.py --shape llama-8b --compile --mbs 1
     torchrun --nproc-per-node 2 benchmarks/hf_fsdp2.py --shape llama-8b --lora-rank 16 --data sft --mbs 1,2,4
+    python benchmarks/hf_fsdp2.py --qlora --shape llama-8b --lora-rank 16 --lora-alpha 32 --data sft --mbs 1,2,4
+
+--qlora: no FSDP, one process on one GPU, the frozen base in NF4 (bitsandbytes): transformers' QLoRA
+recipe as benchmarks/hf_qlora.py builds and describes it, trained by the same loop on the same rows.
 
 The same shape (a bench_pretrain.SHAPES entry), global batch, sequence length, data and optimizer as
 bench_pretrain.py (full fine-tuning) and bench_lora_sft.py (LoRA, `--data sft`: its rows of one sample):
@@ -87,6 +91,7 @@ class FsdpSettings:
     lora_alpha: Optional[float] = None  # None: 2 x rank (bench_lora_sft's default)
     experts: str = EXPERTS
     attn: str = ATTN
+    qlora: bool = False  # one GPU, no FSDP, the base in NF4 (hf_qlora.py)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -111,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--attn", default=ATTN, help=f"attn_implementation ({ATTN}: SDPA, causal, no mask)")
     ap.add_argument("--data", default="random", choices=["random", "sft"],
                     help="random: bench_pretrain's rows; sft: bench_lora_sft's rows of one sample each")
+    ap.add_argument("--qlora", action="store_true",
+                    help="one process, the base in bitsandbytes NF4 (transformers' QLoRA recipe), no FSDP")
     ap.add_argument("--profile-dir", default=None, help="torch.profiler tables of steps 10-12, rank{N}.txt")
     ap.add_argument("--dump", default=None,
                     help="(tests) rank 0 saves the whole initial weights, first gradients and final weights here")
@@ -131,13 +138,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--dump takes one --mbs")
     if args.lora_rank is not None and args.lora_rank < 1:
         ap.error("--lora-rank must be >= 1")
+    if args.qlora and (world > 1 or args.lora_rank is None or args.compile or args.no_reshard):
+        ap.error("--qlora runs one process, needs --lora-rank, and takes neither --compile nor --no-reshard")
     return args
 
 
 def settings_of(args) -> FsdpSettings:
     return FsdpSettings(precision=args.precision, compile=args.compile, ac=args.ac,
                         reshard_after_forward=not args.no_reshard, lora_rank=args.lora_rank,
-                        lora_alpha=args.lora_alpha, experts=args.experts, attn=args.attn)
+                        lora_alpha=args.lora_alpha, experts=args.experts, attn=args.attn, qlora=args.qlora)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -204,7 +213,11 @@ def restore_rotary(model, device) -> None:
 
 def build(shape: dict, seq: int, s: FsdpSettings, device: torch.device, mesh, seed: int = 1234):
     """transformers' model for `shape`, LoRA/checkpointing/compilation applied, FSDP2-sharded over
-    `mesh`, materialised on `device`."""
+    `mesh`, materialised on `device` (--qlora: hf_qlora's one-GPU model instead)."""
+    if s.qlora:
+        from hf_qlora import build_qlora  # here: bitsandbytes only for --qlora
+
+        return build_qlora(shape, seq, s, device)
     model = build_model(shape, seq, "fp32", "meta", experts=s.experts, attn=s.attn)
     std = model.config.initializer_range
     layers = decoder_layers(model)
@@ -299,6 +312,10 @@ def hf_settings(model, s: FsdpSettings, shape: dict, graphs: Optional[dict]) -> 
         out["lora"] = {**lora_targets(bool(shape.get("num_moe_experts"))), "alpha": s.lora_alpha or 2.0 * s.lora_rank}
     if graphs is not None:
         out["dynamo"] = graphs
+    if s.qlora:
+        from hf_qlora import qlora_settings  # here: bitsandbytes only for --qlora
+
+        out.update(qlora_settings(s))
     return out
 
 
@@ -308,7 +325,10 @@ def run_one(args, shape: dict, mbs: int, device: torch.device, mesh, world: int)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     model = build(shape, args.seq, s, device, mesh)
-    params = sum(p.numel() for p in model.parameters())
+    if cuda and s.qlora:  # from the bf16 model quantized in build only the NF4 codes are left, as after
+        torch.cuda.empty_cache()  # from_pretrained, which never holds it whole: the peak is training's
+        torch.cuda.reset_peak_memory_stats()
+    params = sum(p.numel() * (2 if type(p).__name__ == "Params4bit" else 1) for p in model.parameters())  # 2 NF4 a byte
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     opt = make_optimizer(model, args.lr)
     init = full_state(model) if args.dump else None
@@ -342,6 +362,10 @@ def run_one(args, shape: dict, mbs: int, device: torch.device, mesh, world: int)
     return result
 
 
+def impl_of(args) -> str:
+    return "hf-qlora" if args.qlora else "hf-fsdp2"
+
+
 def measure(args, shape: dict, mbs: int, timer, losses: list[float], world: int, cuda: bool) -> dict:
     """bench_pretrain's RESULT fields for one setting."""
     cfg = GPTConfig(**shape, seq_length=args.seq)
@@ -350,7 +374,7 @@ def measure(args, shape: dict, mbs: int, timer, losses: list[float], world: int,
     tokens = args.gbs * args.seq / step / world
     peak = PEAK_BF16_TFLOPS * 1e12
     out = {
-        "impl": "hf-fsdp2", "shape": args.shape, "gpus": world, "tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1,
+        "impl": impl_of(args), "shape": args.shape, "gpus": world, "tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1,
         "sp": False, "fp8": None, "recompute": "full" if args.ac else None, "layers": cfg.num_layers,
         "seq": args.seq, "mbs": mbs, "gbs": args.gbs, "data": args.data, "lora_rank": args.lora_rank,
         "timed_steps": len(timed), "step_s": round(step, 4), "step_s_spread": [round(min(timed), 4), round(max(timed), 4)],
@@ -358,6 +382,8 @@ def measure(args, shape: dict, mbs: int, timer, losses: list[float], world: int,
         "losses": [round(x, 4) for x in losses], "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
     }
+    if args.qlora:
+        out["base_precision"] = "nf4"
     if args.lora_rank:  # what a LoRA step runs: the frozen base's forward and input gradients
         out["mfu_flops_run"] = round(tokens * training_flops_per_token(cfg, args.seq, frozen_base=True) / peak, 4)
     if cuda:
@@ -377,13 +403,15 @@ def main(argv=None) -> None:
         os.environ["BENCH_PROFILE_DIR"] = args.profile_dir
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     cuda = torch.cuda.is_available()
+    # plain `python` (no torchrun): a group of one, without a rendezvous
+    alone = dict(store=dist.HashStore(), rank=0, world_size=1) if "MASTER_ADDR" not in os.environ else {}
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **alone)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **alone)
     mesh = init_device_mesh(device.type, (world,))
     for mbs in args.mbs:
         try:
@@ -392,7 +420,7 @@ def main(argv=None) -> None:
             if not is_out_of_memory(error):
                 raise
             print("RESULT " + json.dumps({
-                "oom": True, "impl": "hf-fsdp2", "shape": args.shape, "layers": shape["num_layers"], "gpus": world,
+                "oom": True, "impl": impl_of(args), "shape": args.shape, "layers": shape["num_layers"], "gpus": world,
                 "rank": rank, "seq": args.seq, "mbs": mbs, "gbs": args.gbs, "lora_rank": args.lora_rank,
                 "hf": asdict(settings_of(args)), "error": (str(error).splitlines() or [""])[0][:300],
                 "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,

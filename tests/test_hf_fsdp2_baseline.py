@@ -42,11 +42,11 @@ def run_ranks(tmp_path: Path, args: list[str], world: int = 2) -> dict:
     return torch.load(dump)
 
 
-def reference(shape: dict, init: dict, lora_rank=None) -> tuple[list[float], dict, dict]:
+def reference(shape: dict, init: dict, lora_rank=None, data=None) -> tuple[list[float], dict, dict]:
     """One process, transformers' plainest code: eager attention with its mask, a loop over the
-    experts; each step one forward over the whole global batch, the masked mean by hand, clipping
-    at 1.0, torch's AdamW (weight decay 0.01 on matrices). Returns the losses, the first step's
-    gradients and the final weights."""
+    experts; each step one forward over the whole global batch of `data` (default MaskedRows), the
+    masked mean by hand, clipping at 1.0, torch's AdamW (weight decay 0.01 on matrices). Returns the
+    losses, the first step's gradients and the final weights."""
     model = hf_baseline.build_model(shape, SEQ, "fp32", "cpu", experts="eager", attn="eager")
     if lora_rank:
         from peft import LoraConfig, get_peft_model
@@ -61,7 +61,7 @@ def reference(shape: dict, init: dict, lora_rank=None) -> tuple[list[float], dic
     opt = torch.optim.AdamW([{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": 0.01},
                              {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}],
                             lr=LR, betas=(0.9, 0.95), foreach=False)
-    data = MaskedRows(GBS * (STEPS + 2), SEQ, shape["vocab_size"])
+    data = MaskedRows(GBS * (STEPS + 2), SEQ, shape["vocab_size"]) if data is None else data
     losses, first_grads = [], None
     for step in range(STEPS):
         rows = [data[i] for i in range(step * GBS, (step + 1) * GBS)]
@@ -79,8 +79,8 @@ def reference(shape: dict, init: dict, lora_rank=None) -> tuple[list[float], dic
     return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def assert_matches(got: dict, shape: dict, lora_rank=None) -> dict:
-    losses, grads, end = reference(shape, got["init"], lora_rank)
+def assert_matches(got: dict, shape: dict, lora_rank=None, data=None) -> dict:
+    losses, grads, end = reference(shape, got["init"], lora_rank, data)
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
     assert got["first_grads"].keys() == grads.keys()
     for name, want in grads.items():
