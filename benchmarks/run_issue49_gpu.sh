@@ -30,23 +30,23 @@ job() {  # label, GPUs (CUDA_VISIBLE_DEVICES), seconds, then the command
     | sed -E "s/^(RESULT|STEP) \{/{\"label\": \"$label\", \"line\": \"\1\", /" >> "$JSONL"
 }
 LORA30="benchmarks/bench_lora_sft.py --shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --recompute --seq 4096
-  --samples-per-row 1 --gbs 2 --mbs 1 --steps 200 --lr 1e-3 --data $TEXT --losses --time-limit 390"
-LORA8B="benchmarks/bench_lora_sft.py --shape llama-8b --rank 16 --alpha 32 --samples-per-row 1 --gbs 8 --steps 10"
+  --samples-per-row 1 --gbs 2 --mbs 1 --steps 200 --lr 1e-3 --data $TEXT --losses --time-limit ${TIME_LIMIT:-390}"
+LORA8B="benchmarks/bench_lora_sft.py --shape llama-8b --rank 16 --alpha 32 --samples-per-row 1 --gbs 8 --steps 10 --losses"
 
 case $stage in
   one30)
     job fp8-1gpu 0 555 python $LORA30 --impl local --base-precision fp8 --memory-cap-gib 78 &
     one=$!
     (
-      job dequant 1 120 python benchmarks/dequant_speed.py
+      [ -n "${SKIP_DEQUANT:-}" ] || job dequant 1 120 python benchmarks/dequant_speed.py
       job 8b-bf16-te 1 110 python $LORA8B
-      for p in bf16 fp8 nf4; do job "8b-$p-local" 1 100 python $LORA8B --impl local --base-precision $p; done
+      for p in bf16 fp8 nf4; do job "8b-$p-local" 1 110 python $LORA8B --impl local --base-precision $p; done
     ) &
     other=$!
     wait $one $other ;;
   ep2)
-    job bf16-ep2 0,1 300 torchrun --standalone --nproc-per-node 2 $LORA30 --ep 2
-    for k in 1 2; do
+    job bf16-ep2 0,1 ${EP2_SECONDS:-300} torchrun --standalone --nproc-per-node 2 $LORA30 --ep 2
+    for k in $(seq 1 ${PAIRS:-2}); do
       [ $k = 1 ] && a=0 b=1 || a=1 b=0
       job "ours-nf4#$k" $a 110 python $LORA8B --impl local --base-precision nf4 &
       first=$!
