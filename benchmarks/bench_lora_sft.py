@@ -230,7 +230,9 @@ class Bench(L.Callback):
         if self.losses is not None:
             self.losses.append(round(float(trainer.callback_metrics["loss"]), 4))
             if self.rank == 0:
+                norm = getattr(trainer.optimizers[0], "last_grad_norm", None)
                 print("STEP " + json.dumps({"step": len(self.times), "loss": self.losses[-1],
+                                            "grad_norm": None if norm is None else round(float(norm), 5),
                                             "s": round(self.times[-1], 3)}), flush=True)
         if self.time_limit is not None and sum(self.times) > self.time_limit:
             trainer.should_stop = True  # every rank's times agree to within a step: ranks stop alike
@@ -261,6 +263,14 @@ class RealTextRows(Dataset):
     def __getitem__(self, i: int):
         row = self.windows[i]
         return {**row, "segment_ids": torch.ones_like(row["tokens"])}
+
+
+def lora_b_rms(module) -> Optional[float]:
+    """The root mean square of this rank's LoRA B matrices: 0 until training moves them (they start at zero)."""
+    bs = [p.detach().float() for name, p in module.named_parameters() if name.endswith("lora_B")]
+    if not bs:
+        return None
+    return float(torch.sqrt(sum(b.square().sum() for b in bs) / sum(b.numel() for b in bs)))
 
 
 def planned_gib(trainer, module) -> Optional[float]:
@@ -320,6 +330,7 @@ def main() -> None:
             "host_peak_rss_gb": host_peak_rss_gb(),
             "trainable_params": getattr(module, "lora_trainable_parameters", None),
             "plan_gib": planned_gib(trainer, module), "steps_done": len(bench.times),
+            "lora_B_rms": lora_b_rms(module),
             **({"losses": bench.losses} if bench.losses is not None else {}),
         }), flush=True)
 
