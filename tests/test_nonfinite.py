@@ -3,6 +3,7 @@ written (checkpoint, HF export)."""
 
 import math
 import re
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -21,7 +22,7 @@ class Poisoned(PretrainModule):
     """`poison`: {global_step: (what, rank)}: at that step, on that rank (None: all), either the
     gradients flowing back from the token losses become NaN (what="grad"; the loss stays
     finite), the loss itself does (what="loss"), or only the loss's value does, its gradients
-    staying finite (what="value")."""
+    staying finite (what="value"), or the gradients become exactly 0 (what="zero")."""
 
     def __init__(self, *args, poison=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -35,6 +36,8 @@ class Poisoned(PretrainModule):
         token_losses, loss_fn = super().forward_step(batch, chunk)
         if self._poisoned("grad"):
             token_losses.register_hook(lambda grad: grad * math.nan)
+        if self._poisoned("zero"):  # every gradient exactly 0 (what frozen-through recompute gave)
+            token_losses.register_hook(lambda grad: grad * 0)
         if self._poisoned("loss"):
             token_losses = token_losses * math.nan
         if self._poisoned("value"):  # d/dx of x + (nan - x).detach() is 1
@@ -225,6 +228,30 @@ def test_export_command_refuses_a_checkpoint_with_nan_weights(tmp_path, monkeypa
     assert code != 0
     assert f"refusing to write the HF export {out}: the model's weights hold NaN/inf" in err
     assert [p.name for p in tmp_path.iterdir()] == ["ckpts"]  # no export, no temporary
+
+
+class RecordWarnings(L.Callback):
+    """The warnings of the (forked) rank's training, written to warnings.txt at its end."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.context = warnings.catch_warnings(record=True)
+        self.caught = self.context.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer, pl_module):
+        self.context.__exit__(None, None, None)
+        text = "\n".join(str(w.message) for w in self.caught)
+        (Path(trainer.default_root_dir) / "warnings.txt").write_text(text)
+
+
+def test_a_step_with_all_gradients_zero_is_said_once(tmp_path):
+    """Steps 2 and 3 give every trained parameter a gradient of exactly 0 (the loss is finite):
+    the run says so once, naming step 2, and goes on (a zero update is not a wrong one)."""
+    train(tmp_path, steps=3, poison={1: ("zero", None), 2: ("zero", None)}, callbacks=[RecordWarnings()])
+    said = (tmp_path / "warnings.txt").read_text()
+    assert said.count("gradient norm is exactly 0") == 1, said
+    assert "gradient norm is exactly 0 at step 2 (trainer.global_step 1)" in said
+    assert "epoch=0-step=3.ckpt" in checkpoints(tmp_path)
 
 
 def test_host_values_keep_order_none_and_numbers():

@@ -248,9 +248,24 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
             if adapt_experts:
                 _refuse_unadapted_experts(layer, adapters)
         chunk.add_module("lora", adapters)
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None and chunk.config.recompute_granularity is not None:
+            embedding.register_forward_hook(_embeddings_require_grad)
     if lora.experts and chunks and not chunks[0].config.num_moe_experts:
         raise LoRAError("LoRA experts=True, but the model has no MoE experts; leave experts unset.")
     return quantize_bases(chunks, CODECS[lora.base_precision]) if lora.base_precision in CODECS else {}
+
+
+def _embeddings_require_grad(module, args, output):
+    """The frozen embedding's output, marked as needing a gradient (what peft's
+    enable_input_require_grads does for HF). Recompute runs the layers inside an autograd
+    function whose output needs a gradient only if one of its inputs does; the adapters inside
+    do not count. With every base weight frozen, the decoder's input needs none, so without this
+    no gradient would reach any adapter of a recomputed layer: on one H200 a Qwen3-30B-A3B LoRA
+    with full recompute trained at a gradient norm of exactly 0 (RESULTS.md session 27)."""
+    if isinstance(output, torch.Tensor) and not output.requires_grad and output.grad_fn is None:
+        output.requires_grad_(True)
+    return output
 
 
 def quantize_bases(chunks, codec: Codec = CODECS["fp8"]) -> dict[str, float]:

@@ -40,6 +40,14 @@ def step_message(what: str, value: float, step: int, lr: float, skipped: bool, a
     return f"{head}: the update was not applied and training stops. {advice}"
 
 
+def zero_gradient_message(step: int) -> str:
+    """A step whose every trained parameter got a gradient of exactly 0: nothing learns from it."""
+    return (f"the gradient norm is exactly 0 at step {step + 1} (trainer.global_step {step}): no gradient "
+            f"reached any trained parameter, so this update changes nothing. Check that the step's "
+            f"data has tokens in its loss (loss_mask), and that something the loss depends on is "
+            f"trained (frozen layers, LoRA target_modules). Said once per run.")
+
+
 def host_values(*values) -> list:
     """`values` (tensors of one element, numbers or None) as Python floats (None stays None),
     the tensors read back in one device-to-host copy: one wait for the device, not one each."""

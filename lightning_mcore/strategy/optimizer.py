@@ -26,7 +26,7 @@ from megatron.core.optimizer.optimizer import ProxyDict
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from lightning_mcore.model import te
-from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values_later, step_message
+from lightning_mcore.strategy.nonfinite import NonFiniteError, host_values_later, step_message, zero_gradient_message
 
 
 @dataclass
@@ -192,6 +192,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.defaults = {}
         self.last_grad_norm: Optional[float] = None
         self.last_update_skipped = False
+        self.warned_zero_gradient = False  # said once per run: a step whose gradients were all 0
         # True once a NaN/inf update was applied (stop_after_update): the weights are not saved
         self.applied_nonfinite = False
         # the step in flight: None (not decided yet), "apply", "skip", or "applied" (already)
@@ -292,6 +293,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
             if not skip:
                 raise NonFiniteError(message)
             rank_zero_warn(message)
+        if grad_norm == 0.0 and not self.warned_zero_gradient:
+            self.warned_zero_gradient = True
+            rank_zero_warn(zero_gradient_message(self._global_step()))
         if bad or grad_norm is None or applied is False:
             self._update = "skip"
         else:
