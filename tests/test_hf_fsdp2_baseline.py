@@ -44,7 +44,11 @@ def fsdp2_runs(tmp_path_factory) -> dict:
                                               "WORLD_SIZE": str(world), "MASTER_ADDR": "localhost",
                                               "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
              for r in range(world)]
-    outputs = [rank.communicate(timeout=600) for rank in ranks]
+    try:
+        outputs = [rank.communicate(timeout=600) for rank in ranks]
+    finally:  # a rank that failed leaves the other waiting in a collective
+        for rank in ranks:
+            rank.kill()
     for rank, (out, err) in zip(ranks, outputs):
         assert rank.returncode == 0, f"rank exited {rank.returncode}:\n{out}\n{err[-3000:]}"
     assert outputs[0][0].count('"impl": "hf-fsdp2"') == len(RUNS)  # rank 0's RESULT line of each run
