@@ -1,8 +1,11 @@
 """benchmarks/hf_fsdp2.py with MaskedRows as its data: one rank of test_hf_fsdp2_baseline, in an
-interpreter of its own (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment). A rank forked
+interpreter of its own (RANK, WORLD_SIZE, MASTER_ADDR from the environment). A rank forked
 from the pytest worker crashed (SIGSEGV, nothing printed) in one CI run out of several, after
-whatever else that worker had run; a fresh interpreter inherits nothing."""
+whatever else that worker had run; a fresh interpreter inherits nothing. It runs the test's
+configurations one after another (each hf_fsdp2.main a process group of its own, on its own
+port), so that the ranks' ~9 s of imports are paid once, not once per configuration."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the scripts import each other
 import bench_pretrain  # noqa: E402
 import hf_fsdp2  # noqa: E402
+
+THEN = "--then"
 
 
 class MaskedRows(bench_pretrain.RandomTokens):
@@ -23,6 +28,20 @@ class MaskedRows(bench_pretrain.RandomTokens):
         return row
 
 
+def runs(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """`PORT ARGS... [--then PORT ARGS...]`: each run's rendezvous port and hf_fsdp2's arguments."""
+    groups, group = [], []
+    for arg in [*argv, THEN]:
+        if arg == THEN:
+            groups.append((group[0], group[1:]))
+            group = []
+        else:
+            group.append(arg)
+    return groups
+
+
 if __name__ == "__main__":
     hf_fsdp2.RandomTokens = MaskedRows
-    hf_fsdp2.main(sys.argv[1:])
+    for port, args in runs(sys.argv[1:]):
+        os.environ["MASTER_PORT"] = port
+        hf_fsdp2.main(args)

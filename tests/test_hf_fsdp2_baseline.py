@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_fsdp2_masked import MaskedRows
+from hf_fsdp2_masked import THEN, MaskedRows
 from readme import free_port
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -21,25 +21,38 @@ import hf_baseline  # noqa: E402
 SEQ, GBS, STEPS, LR = 32, 4, 2, 1e-3
 
 
-def run_ranks(tmp_path: Path, args: list[str], world: int = 2) -> dict:
-    """hf_fsdp2.main(args) on `world` gloo ranks (tests/hf_fsdp2_masked.py: MaskedRows as its
-    data), each a fresh interpreter; rank 0's dump."""
-    dump = tmp_path / "dump.pt"
-    argv = [*args, "--seq", str(SEQ), "--gbs", str(GBS), "--steps", str(STEPS), "--warmup", "1",
-            "--lr", str(LR), "--precision", "fp32", "--dump", str(dump)]
-    port = free_port()
+# 2 rows per rank; in micro batches of 1, gradients are reduce-scattered twice per step
+RUNS = {"llama": ["--shape", "tiny-llama", "--mbs", "1"],
+        "qwen3-moe": ["--shape", "tiny-qwen3-moe", "--mbs", "1"],
+        "lora": ["--shape", "tiny-qwen3-moe", "--mbs", "2", "--lora-rank", "4", "--ac"]}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory) -> dict:
+    """hf_fsdp2.main for each of RUNS on `world` gloo ranks (tests/hf_fsdp2_masked.py: MaskedRows
+    as its data), the runs one after another in the same two fresh interpreters; rank 0's dump
+    of each, by name."""
+    tmp, world = tmp_path_factory.mktemp("fsdp2"), 2
+    argv = []
+    for name, args in RUNS.items():
+        argv += [*([THEN] if argv else []), str(free_port()), *args, "--seq", str(SEQ),
+                 "--gbs", str(GBS), "--steps", str(STEPS), "--warmup", "1", "--lr", str(LR), "--precision", "fp32",
+                 "--dump", str(tmp / f"{name}.pt")]
     script = Path(__file__).parent / "hf_fsdp2_masked.py"
     ranks = [subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r),
                                               "WORLD_SIZE": str(world), "MASTER_ADDR": "localhost",
-                                              "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore",
-                                              "CUDA_VISIBLE_DEVICES": ""})
+                                              "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""})
              for r in range(world)]
-    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    try:
+        outputs = [rank.communicate(timeout=600) for rank in ranks]
+    finally:  # a rank that failed leaves the other waiting in a collective
+        for rank in ranks:
+            rank.kill()
     for rank, (out, err) in zip(ranks, outputs):
         assert rank.returncode == 0, f"rank exited {rank.returncode}:\n{out}\n{err[-3000:]}"
-    assert '"impl": "hf-fsdp2"' in outputs[0][0]  # rank 0's RESULT line
-    return torch.load(dump)
+    assert outputs[0][0].count('"impl": "hf-fsdp2"') == len(RUNS)  # rank 0's RESULT line of each run
+    return {name: torch.load(tmp / f"{name}.pt") for name in RUNS}
 
 
 def reference(shape: dict, init: dict, lora_rank=None, data=None) -> tuple[list[float], dict, dict]:
@@ -107,18 +120,17 @@ def assert_initialised(init: dict) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["llama", "qwen3-moe"])
-def test_two_fsdp2_ranks_train_as_one_process(name, tmp_path):
-    # 2 rows per rank in micro batches of 1: gradients reduce-scattered twice per step
-    got = run_ranks(tmp_path, ["--shape", f"tiny-{name}", "--mbs", "1"])
+def test_two_fsdp2_ranks_train_as_one_process(name, fsdp2_runs):
+    got = fsdp2_runs[name]
     assert_initialised(got["init"])
     end = assert_matches(got, hf_baseline.SELFTEST_SHAPES[name])
     assert all(not torch.equal(end[n], w) for n, w in got["init"].items())  # every weight trained
 
 
 @pytest.mark.distributed
-def test_lora_trains_only_the_adapters_experts_included(tmp_path):
+def test_lora_trains_only_the_adapters_experts_included(fsdp2_runs):
     shape = hf_baseline.SELFTEST_SHAPES["qwen3-moe"]
-    got = run_ranks(tmp_path, ["--shape", "tiny-qwen3-moe", "--mbs", "2", "--lora-rank", "4", "--ac"])
+    got = fsdp2_runs["lora"]
     assert_initialised(got["init"])
     end = assert_matches(got, shape, lora_rank=4)
     adapters = {n for n in end if "lora_" in n}

@@ -12,7 +12,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import lightning as L
@@ -219,8 +218,10 @@ def test_docs_plan_command_prints_what_the_page_shows(title, page, tmp_path):
     shown = code_blocks(text, "text")[0]
     assert run_readme(argv, cwd).stdout == shown
     for block in code_blocks(text, "python"):
-        proc = subprocess.run([sys.executable, "-c", block], cwd=cwd, env=clean_env(cwd), capture_output=True,
-                              text=True, timeout=300)
+        # the block's code, verbatim, in a process forked from this one (its imports already done)
+        # instead of a second fresh interpreter: the command above is the one run as a user runs it
+        proc = run_forked(lambda: exec(compile(block, page, "exec"), {"__name__": "__main__"}),
+                          [sys.executable, "-c", block], cwd=cwd, env=clean_env(cwd), timeout=300)
         total = next(line.split()[1] for line in shown.splitlines() if line.split()[:1] == ["total"])
         trained = shown.splitlines()[1].split(", ")[-1].split()[0]
         assert proc.returncode == 0 and proc.stdout == f"{total} GiB per GPU, {trained} trained parameters\n", \

@@ -209,8 +209,7 @@ def test_sequential_mlp_checkpoint_resumes_under_the_defaults(tmp_path):
     the default grouped experts: the resumed steps' losses are the SequentialMLP run's."""
     sequential = moe(vocab_size=512, moe_grouped_gemm=False)
     straight = fit_with_checkpoints(tmp_path, "straight", 1, config=sequential)
-    fit_with_checkpoints(tmp_path, "first", 1, stop=3, config=sequential)
-    saved = str(tmp_path / "first-ckpts" / "epoch=0-step=3.ckpt")
+    saved = str(tmp_path / "straight-ckpts" / "epoch=0-step=3.ckpt")  # its own step-3 checkpoint
     resumed = fit_with_checkpoints(tmp_path, "resumed", 1, ckpt_path=saved, config=moe(vocab_size=512))
     assert moe(vocab_size=512).torch_experts and len(resumed) == 3
     assert resumed == pytest.approx(straight[3:], rel=0, abs=1e-5)
