@@ -145,7 +145,8 @@ def cells(row: Row) -> tuple[str, ...]:
     base = ratio = "–"
     if w.baseline and row.baseline is not None:
         base = f"{w.baseline.name}: {number(row.baseline)} ({lines_note(row.baseline_lines, w.baseline.reading)})"
-        ratio = f"{row.ratio:.3f}×" + (f" (median of {row.ours_lines} pairs' ratios)" if w.paired else "")
+        ratio = f"{row.ratio:.3f}×" + ((f" (median of {row.ours_lines} pairs' ratios)" if row.ours_lines > 1 else " (one pair)")
+                                        if w.paired else "")
     goals = "; ".join(goal_cell(g, v) for g, v in zip(w.goals, row.goal_values)) or "–"
     files = list(dict.fromkeys([*w.ours.reading.files, *(w.baseline.reading.files if w.baseline else ())]))
     dates = ", ".join(dict.fromkeys(f.split("/")[0] for f in files))

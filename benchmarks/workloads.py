@@ -174,6 +174,21 @@ WORKLOADS = (
         paired=True, drop_paused=True,
     ),
     Workload(
+        name="dense-8b-fsdp2",
+        what="Llama-3-8B shape, full fine-tuning, seq 4096, global batch 8, random tokens; ours data "
+             "parallel on 2 GPUs (distributed optimizer, micro batch 1) against transformers' model under "
+             "FSDP2 (fp32 master, bf16 compute, compiled, micro batch 1: the memory estimate's choice, not "
+             "yet a sweep's); one interleaved pair",
+        device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0", unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, DP=2", "OUT=. TAG=s27 BUDGET=320 bash benchmarks/run_issue47_gpu.sh pair8b",
+                  Reading(("2026-11-28/s27_pair8b.jsonl",), TOKENS, {"label": "ours-dp2"})),
+        baseline=Side("HF + FSDP2, compiled, micro batch 1",
+                      "OUT=. TAG=s27 BUDGET=320 bash benchmarks/run_issue47_gpu.sh pair8b",
+                      Reading(("2026-11-28/s27_pair8b.jsonl",), TOKENS, {"label": "hf"})),
+        goals=(Goal(47, "≥ 1.3× HF + FSDP2", "ratio", 1.3),),
+        paired=True,
+    ),
+    Workload(
         name="vlm-7b-lora-tp2",
         what="Qwen2.5-VL-7B shape, LoRA r16 on the decoder, 1,022-token samples with one 392x392 image, 16 "
              "per step; ours TP=2 + SP on 2 GPUs (4 samples packed per row), HF + peft on one GPU",
