@@ -231,9 +231,11 @@ class Bench(L.Callback):
             self.losses.append(round(float(trainer.callback_metrics["loss"]), 4))
             if self.rank == 0:
                 norm = getattr(trainer.optimizers[0], "last_grad_norm", None)
+                allocated = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
                 print("STEP " + json.dumps({"step": len(self.times), "loss": self.losses[-1],
                                             "grad_norm": None if norm is None else round(float(norm), 5),
-                                            "s": round(self.times[-1], 3)}), flush=True)
+                                            "s": round(self.times[-1], 3),
+                                            "allocated_gib": round(allocated, 2)}), flush=True)
         if self.time_limit is not None and sum(self.times) > self.time_limit:
             trainer.should_stop = True  # every rank's times agree to within a step: ranks stop alike
 
