@@ -43,6 +43,8 @@ def adapter_gradients(recompute: dict) -> dict:
             adapter.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
     tokens = torch.randint(0, 500, (2, 8), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(8).expand_as(tokens)
+    with torch.no_grad():  # as generation runs: nothing is marked, no graph is built
+        assert not chunk(tokens, positions, None).requires_grad
     chunk(tokens, positions, None, labels=tokens.roll(-1, 1)).sum().backward()
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
             for n, p in chunk.named_parameters() if p.requires_grad}

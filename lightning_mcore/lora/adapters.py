@@ -263,7 +263,8 @@ def _embeddings_require_grad(module, args, output):
     do not count. With every base weight frozen, the decoder's input needs none, so without this
     no gradient would reach any adapter of a recomputed layer: on one H200 a Qwen3-30B-A3B LoRA
     with full recompute trained at a gradient norm of exactly 0 (RESULTS.md session 27)."""
-    if isinstance(output, torch.Tensor) and not output.requires_grad and output.grad_fn is None:
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad \
+            and output.grad_fn is None:  # (generation runs without grad: no graph to mark)
         output.requires_grad_(True)
     return output
 
