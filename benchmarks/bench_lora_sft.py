@@ -140,6 +140,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "torch.cuda.set_per_process_memory_fraction, which leaves the CUDA context and NCCL out)")
     ap.add_argument("--data", default="random", help="'random' (packed synthetic rows) or a real_text.py token directory")
     ap.add_argument("--losses", action="store_true", help="print each step's loss (a STEP line) and list them in RESULT")
+    ap.add_argument("--memory-snapshot", default=None, metavar="PATH",
+                    help="record torch's allocator history over steps 2-4 and write its snapshot to PATH "
+                         "(open it at pytorch.org/memory_viz)")
     ap.add_argument("--time-limit", type=float, default=None, metavar="S",
                     help="stop after the step that ends past S seconds of training (RESULT counts the steps done)")
     args = ap.parse_args(argv)
@@ -206,11 +209,12 @@ class Bench(L.Callback):
     before Lightning's teardown, whose collectives would wait for the other ranks."""
 
     def __init__(self, settings: dict, devices: int, rank: int, losses: bool = False,
-                 time_limit: Optional[float] = None) -> None:
+                 time_limit: Optional[float] = None, snapshot: Optional[str] = None) -> None:
         self.settings, self.devices, self.rank = settings, devices, rank
         self.times: list[float] = []
         self.losses: Optional[list[float]] = [] if losses else None
         self.time_limit = time_limit
+        self.snapshot = snapshot if rank == 0 else None
         self.setup_peak_gb: Optional[float] = None
 
     def on_train_start(self, *a):
@@ -221,6 +225,8 @@ class Bench(L.Callback):
             torch.cuda.reset_peak_memory_stats()
 
     def on_train_batch_start(self, *a):
+        if self.snapshot and len(self.times) == 1:  # steps 2-4: past the first step's one-time allocations
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         torch.cuda.synchronize()
         self.t = time.perf_counter()
 
@@ -236,6 +242,9 @@ class Bench(L.Callback):
                                             "grad_norm": None if norm is None else round(float(norm), 5),
                                             "s": round(self.times[-1], 3),
                                             "allocated_gib": round(allocated, 2)}), flush=True)
+        if self.snapshot and len(self.times) == 4:
+            torch.cuda.memory._dump_snapshot(self.snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
         if self.time_limit is not None and sum(self.times) > self.time_limit:
             trainer.should_stop = True  # every rank's times agree to within a step: ranks stop alike
 
@@ -294,7 +303,7 @@ def main() -> None:
         local = int(os.environ.get("LOCAL_RANK", 0))
         total = torch.cuda.get_device_properties(local).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), local)
-    bench = Bench(settings(args, cfg, devices), devices, rank, args.losses, args.time_limit)
+    bench = Bench(settings(args, cfg, devices), devices, rank, args.losses, args.time_limit, args.memory_snapshot)
     # the distributed optimizer (the GPU default, said here because optimizer offload needs it)
     strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=args.mbs, expert_model_parallel_size=args.ep,
                                 expert_tensor_parallel_size=1 if args.ep > 1 else None,
