@@ -95,7 +95,8 @@ def dequantized(codec: "Codec", codes: torch.Tensor, scales: torch.Tensor, dtype
     CUDA as one fused kernel (`fused`), elsewhere a few rows at a time (the same values either
     way: each element is computed alone)."""
     if codes.is_cuda:
-        return fused(codec)(codes, scales, dtype)
+        with torch.no_grad():  # never needs one (codes are buffers); one compiled variant, not one per grad mode
+            return fused(codec)(codes, scales, dtype)
     lead, rows = codes.shape[:-1], codes.shape[:-1].numel()
     flat_codes = codes.reshape(rows, codes.shape[-1])
     flat_scales = scales.reshape(rows, *scales.shape[codes.dim() - 1:])

@@ -99,8 +99,8 @@ class SDPAttention(MegatronModule):
             # a Llama-3-8B LoRA step from 35 to 114 GiB (RESULTS.md session 27).
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
             plain = self.window is None and self.softmax_offset is None
-            if not (query.is_cuda and plain and packed_seq_params.cu_seqlens_q.numel() == 2):
-                mask = block_causal_mask(packed_seq_params.cu_seqlens_q, self.window)
+            one_sequence = query.is_cuda and plain and packed_seq_params.cu_seqlens_q.numel() == 2
+            mask = None if one_sequence else block_causal_mask(packed_seq_params.cu_seqlens_q, self.window)
         sq, b = query.shape[:2]
         sk = key.shape[0]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
