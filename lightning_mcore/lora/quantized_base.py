@@ -239,7 +239,13 @@ def _pre_hook(record: QuantizedWeights):
 def _post_hook(record: QuantizedWeights):
     def hook(module, args, output):
         if record.live:
-            record.live.pop().context.__exit__(None, None, None)
+            call = record.live.pop()
+            call.context.__exit__(None, None, None)
+            # the context holds the call's bound pack/unpack: dropped, the call is no longer a
+            # reference cycle, and its dequantized weight (cached by backward's unpack) goes
+            # with the saved tensors, not at the garbage collector's next full pass (which
+            # training defers: a Llama-3-8B over an FP8 base grew ~25 GiB a step on GPU)
+            call.context = None
             if not record.live:
                 record.release()
 
