@@ -12,7 +12,7 @@
 #          experts: the recipe's layout), the same rows and steps: the loss curve the FP8 one is held to;
 #          then ours (nf4 base) against HF + peft + bitsandbytes QLoRA, Llama-3-8B shape, one GPU each at
 #          the same time, then again with the GPUs swapped
-#   grow   8 layers of the Llama-3-8B shape over an fp8 base without recompute with the allocator's history
+#   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
 #          (steps 2-4) written to $OUT/${TAG}_grow_fp8_snapshot.pickle; with recompute and nf4 on GPU 1
 # Raw lines (RESULT and STEP, each with its "label") go to $OUT/${TAG}_<stage>.jsonl, logs to
 # $OUT/${TAG}_<stage>_<label>.log.
@@ -57,9 +57,9 @@ case $stage in
       second=$!
       wait $first $second
     done ;;
-  grow)  # why a quantized base without recompute grew ~25 GiB a step (session 27): 8 layers of the 8B shape,
-         # allocated memory after each step, the allocator's history over steps 2-4 (fp8), then the same with
-         # recompute, then nf4
+  grow)  # that a quantized base without recompute no longer grows (~25 GiB a step in session 27: a reference
+         # cycle, fixed): 8 layers of the 8B shape, allocated memory after each step, the allocator's history
+         # over steps 2-4 (fp8), then the same with recompute, then nf4
     G="$LORA8B --layers 8 --impl local"
     job grow-fp8 0 150 python $G --base-precision fp8 --memory-snapshot "$OUT/${TAG}_grow_fp8_snapshot.pickle" &
     one=$!
