@@ -245,8 +245,9 @@ class Bench(L.Callback):
         if self.snapshot and len(self.times) == 4:
             torch.cuda.memory._dump_snapshot(self.snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
-        if self.time_limit is not None and sum(self.times) > self.time_limit:
-            trainer.should_stop = True  # every rank's times agree to within a step: ranks stop alike
+        if self.time_limit is not None and len(self.times) > UNTIMED_STEPS:  # at least one timed step
+            # decided together: a rank that stopped alone would hang the others in a collective
+            trainer.should_stop = trainer.strategy.reduce_boolean_decision(sum(self.times) > self.time_limit, all=False)
 
     def on_exception(self, trainer, module, error):
         if not is_out_of_memory(error):
