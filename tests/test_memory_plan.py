@@ -237,3 +237,6 @@ def test_fit_reports_the_plan_beside_the_peak_on_gpu_only(tmp_path, capfd):
     line = report_line(10 * 2**30, 8 * 2**30, 3)
     assert line.startswith("memory: planned 10.0 GiB per GPU (pipeline stage 0), measured peak 8.0 GiB "
                            "allocated after 3 steps (+25.0% planned)"), line
+    line = report_line(4 * 2**30, 8 * 2**30, 3, during_setup=True)  # a quantized base's bf16 build
+    assert "8.0 GiB allocated after 3 steps (reached while building and loading the model, before " \
+           "training: training's own peak is lower) (-50.0% planned)" in line, line

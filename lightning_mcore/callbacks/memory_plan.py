@@ -13,9 +13,13 @@ from lightning_mcore.plan.parameters import PlanError
 from lightning_mcore.plan.run import plan_inputs
 
 
-def report_line(planned: int, peak: int, steps: int) -> str:
+def report_line(planned: int, peak: int, steps: int, during_setup: bool = False) -> str:
+    """`during_setup`: the peak was reached before training (building and loading the model: a
+    LoRA base held in FP8 or NF4 is built in bf16 first), so training's own peak is below it."""
+    setup = (" (reached while building and loading the model, before training: training's own peak is "
+             "lower)") if during_setup else ""
     return (f"memory: planned {planned / GiB:.1f} GiB per GPU (pipeline stage 0), measured peak "
-            f"{peak / GiB:.1f} GiB allocated after {steps} steps ({(planned - peak) / peak:+.1%} "
+            f"{peak / GiB:.1f} GiB allocated after {steps} steps{setup} ({(planned - peak) / peak:+.1%} "
             f"planned); lightning-mcore plan --config ... gives the plan before launch.")
 
 
@@ -25,6 +29,11 @@ class MemoryPlanReport(L.Callback):
 
     def __init__(self, after_steps: int = 3) -> None:
         self.after_steps = after_steps
+        self.setup_peak: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            self.setup_peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
@@ -39,5 +48,6 @@ class MemoryPlanReport(L.Callback):
         except Exception as error:  # noqa: BLE001 - a report must not end a training run
             sys.stderr.write(f"memory: no plan for this run ({type(error).__name__}: {error}).\n")
             return
-        sys.stderr.write(report_line(planned, torch.cuda.max_memory_allocated(strategy.root_device),
-                                     self.after_steps) + "\n")
+        peak = torch.cuda.max_memory_allocated(strategy.root_device)
+        during_setup = self.setup_peak is not None and peak <= self.setup_peak
+        sys.stderr.write(report_line(planned, peak, self.after_steps, during_setup) + "\n")
