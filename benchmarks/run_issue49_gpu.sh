@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Issue 49 on 2 GPUs of one H200 machine, one stage per call (each within the device's 600 s limit).
 # Before the first: bash .gpu/kit/install.sh && source .gpu/kit/env.sh, bitsandbytes installed for `ep2`'s
-# QLoRA baseline, and the real-text tokens (benchmarks/real_text.py) in $TEXT.
+# QLoRA baseline, and the real-text tokens (benchmarks/real_text.py) in $TEXT. Session 27 brought both in
+# the ignored .gpu/: `pip download bitsandbytes==0.50.2 --no-deps -d .gpu/bnb` (43 MB, carried with .gpu/kit
+# to the install call: python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/bnb/*.whl) and
+# `python benchmarks/real_text.py --out .gpu/text --vocab 32768` (18 MB, carried alone, copied to /tmp/text).
 #   one30  GPU 0: Qwen3-30B-A3B (all 48 layers, random weights) LoRA r8 on every linear, experts included,
 #          over an FP8 base on ONE GPU with torch's allocator capped at 78 GiB (an 80 GB H100 leaves torch
 #          ~79 GiB), mcore's local layers (what an fp8 base runs on) and torch's grouped experts, full
