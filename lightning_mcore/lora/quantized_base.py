@@ -129,13 +129,14 @@ class Codec:
     name: str  # the LoRAConfig.base_precision, and the suffix of the codes' buffer
     quantize: Callable  # (weight, row-parallel group or None) -> (codes, scales)
     dequantize: Callable  # (codes, scales, dtype) -> weight
+    code_bytes: float = 1.0  # bytes a code takes (nf4: two codes a byte)
     block: Optional[int] = None  # elements a scale covers along a row (None: the whole row)
     description: str = ""
 
 
 CODECS = {codec.name: codec for codec in (
     Codec("fp8", quantize_rows, dequantize, description="e4m3, a scale per output row"),
-    Codec("nf4", nf4.quantize_blocks, nf4.dequantize_blocks, nf4.BLOCK,
+    Codec("nf4", nf4.quantize_blocks, nf4.dequantize_blocks, 0.5, nf4.BLOCK,
           description=f"4-bit NormalFloat, an absmax scale per {nf4.BLOCK} inputs"))}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_mcore.lora.config import adapts_experts, resolve_targets
+from lightning_mcore.lora.quantized_base import CODECS
 from lightning_mcore.plan.inputs import PlanInputs
 
 
@@ -115,19 +116,15 @@ def _targeted(inputs: PlanInputs, lin: _Linears) -> list[tuple[int, int, int, bo
     return blocks
 
 
-# base_precision -> (bytes a code, inputs a scale covers; None: a whole row)
-CODE_LAYOUT = {"fp8": (1.0, None), "nf4": (0.5, 64)}
-
-
 def _quantized(inputs: PlanInputs, blocks: list) -> ParameterCount:
     """The targeted linears' weights (`blocks`: _targeted) a quantized base holds as codes
     (biases stay in the weights' dtype)."""
-    if inputs.lora.base_precision not in CODE_LAYOUT:
+    codec = CODECS.get(inputs.lora.base_precision)
+    if codec is None:
         return ParameterCount()
-    code_byte, block = CODE_LAYOUT[inputs.lora.base_precision]
     weights = sum(e * o * i for e, o, i, _ in blocks)
-    return ParameterCount(quantized=weights, code_bytes=int(weights * code_byte),
-                          scales=sum(e * o * (i // block if block else 1) for e, o, i, _ in blocks),
+    return ParameterCount(quantized=weights, code_bytes=int(weights * codec.code_bytes),
+                          scales=sum(e * o * (i // codec.block if codec.block else 1) for e, o, i, _ in blocks),
                           largest_quantized=max((e * o * i for e, o, i, _ in blocks), default=0))
 
 
