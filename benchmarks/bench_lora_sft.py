@@ -44,14 +44,12 @@ from bench_pretrain import PEAK_BF16_TFLOPS, SHAPES, flops_per_token
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings
+from lightning_mcore.callbacks.memory_plan import MemoryPlanReport, planned_total
 from lightning_mcore.data.packing import build_row
 from lightning_mcore.lora.config import LoRAConfig
-from lightning_mcore.callbacks.memory_plan import MemoryPlanReport
 from lightning_mcore.model.flops import training_flops_per_token
 from lightning_mcore.objectives.sft import SFTModule
-from lightning_mcore.plan.memory import stage_plan
 from lightning_mcore.plan.parameters import PlanError
-from lightning_mcore.plan.run import plan_inputs
 
 UNTIMED_STEPS = 3  # model build, first allocations, TE autotuning
 
@@ -287,10 +285,8 @@ def lora_b_rms(module) -> Optional[float]:
 
 def planned_gib(trainer, module) -> Optional[float]:
     """lightning-mcore plan's per-GPU total for this run (pipeline stage 0), beside the measured peak."""
-    strategy = trainer.strategy
     try:
-        inputs = plan_inputs(strategy, module, strategy.parallel, trainer.world_size, True, on_gpu=True)
-        return round(stage_plan(inputs, 0).total / 2**30, 1)
+        return round(planned_total(trainer, module) / 2**30, 1)
     except PlanError:
         return None
 

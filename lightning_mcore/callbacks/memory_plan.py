@@ -23,6 +23,15 @@ def report_line(planned: int, peak: int, steps: int, during_setup: bool = False)
             f"planned); lightning-mcore plan --config ... gives the plan before launch.")
 
 
+def planned_total(trainer, pl_module) -> int:
+    """The plan's bytes per GPU (pipeline stage 0) for the run `trainer` is training `pl_module`
+    in; PlanError for a model the plan does not count."""
+    strategy = trainer.strategy
+    inputs = plan_inputs(strategy, pl_module, strategy.parallel, trainer.world_size,
+                         strategy.dtype == torch.bfloat16, on_gpu=True)
+    return stage_plan(inputs, 0).total
+
+
 class MemoryPlanReport(L.Callback):
     """After `after_steps` optimizer steps on GPU, rank 0 (pipeline stage 0) writes its plan's
     total and torch.cuda.max_memory_allocated() to stderr. Nothing on CPU."""
@@ -40,9 +49,7 @@ class MemoryPlanReport(L.Callback):
         if trainer.global_step != self.after_steps or not trainer.is_global_zero or strategy.root_device.type != "cuda":
             return
         try:
-            inputs = plan_inputs(strategy, pl_module, strategy.parallel, trainer.world_size,
-                                 strategy.dtype == torch.bfloat16, on_gpu=True)
-            planned = stage_plan(inputs, 0).total
+            planned = planned_total(trainer, pl_module)
         except (PlanError, AttributeError):  # a model the plan does not count, or not ours
             return
         except Exception as error:  # noqa: BLE001 - a report must not end a training run
