@@ -14,9 +14,7 @@ import torch
 from lightning_mcore.export_checkpoint import single_process_megatron
 from lightning_mcore.lora.adapters import apply_lora
 from lightning_mcore.lora.config import LoRAConfig
-from lightning_mcore.model.build import build_chunks
-from lightning_mcore.model.config import to_transformer_config
-from lightning_mcore.strategy.parallel import ParallelConfig
+from test_lora_fp8_base import _chunk
 from toy import tiny_config
 
 LORA = LoRAConfig(target_modules="all-linear", rank=4, alpha=8.0)
@@ -33,10 +31,7 @@ def recompute_on_cpu():
 
 
 def adapter_gradients(recompute: dict) -> dict:
-    cfg = tiny_config(num_layers=2, **recompute)
-    torch.manual_seed(0)
-    (chunk,) = build_chunks(cfg, to_transformer_config(cfg, ParallelConfig(), torch.float32, on_cpu=True,
-                                                       use_te=False), use_te=False)
+    chunk = _chunk(tiny_config(num_layers=2, **recompute), torch.float32)
     apply_lora([chunk], LORA, seed=0)
     with torch.no_grad():
         for adapter in chunk.lora.values():  # B != 0: A's gradient too
