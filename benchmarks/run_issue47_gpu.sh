@@ -86,14 +86,16 @@ biggest() {  # the largest of 1, 2, 4 up to $1 that divides each rank's rows
   local m; for m in 4 2 1; do [ "$m" -le "$1" ] && [ $((GBS / NGPU % m)) -eq 0 ] && { echo $m; return; }; done
 }
 
-run() {  # label, environment, seconds it needs at least, script, its arguments; GPUS=1: one process on GPU 0
+run() {  # label, environment, seconds it needs at least, script, its arguments; GPUS=1: one process on the first
+        # of CUDA_VISIBLE_DEVICES (GPU 0 when unset), so that two stages can share a 4-GPU machine
   local label=$1 envs=$2 need=$3 script=$4 gpus=${GPUS:-$NGPU}; shift 4
   if [ -n "${DRY_RUN:-}" ]; then echo "$gpus $script $*" >> "$DRY_RUN"; return; fi
   local left=$((deadline - SECONDS))
   if [ $left -lt "$need" ]; then echo "skipped $label: $left s left, it needs $need" | tee -a "$LOG"; return; fi
   echo "== $label ($left s left): $script $*" >> "$LOG"
   local launch="torchrun --standalone --nproc-per-node $gpus"
-  [ "$gpus" -eq 1 ] && launch="python" && envs="$envs CUDA_VISIBLE_DEVICES=0"
+  local first=${CUDA_VISIBLE_DEVICES:-0}
+  [ "$gpus" -eq 1 ] && launch="python" && envs="$envs CUDA_VISIBLE_DEVICES=${first%%,*}"
   env $envs timeout -k 15 $((left - 15)) $launch "benchmarks/$script" "$@" 2>&1 \
     | tee -a "$LOG" | grep '^RESULT' | sed "s/^RESULT {/{\"label\": \"$label\", /" >> "$JSONL"
 }

@@ -15,14 +15,19 @@
 #          experts: the recipe's layout), the same rows and steps: the loss curve the FP8 one is held to;
 #          then ours (nf4 base) against HF + peft + bitsandbytes QLoRA, Llama-3-8B shape, one GPU each at
 #          the same time, then again with the GPUs swapped
+#   bg30   4 GPUs: both 30B runs above at once (fp8 on GPU $FP8_GPU, default 0; bf16 at EP=2 on $EP2_GPUS, default
+#          2,3), all 200 steps, started in a new session (setsid) so that they outlive the call; logs in $BG
+#   eight  one GPU ($GPU, default 1): the 8B bases of one30, then HF + peft + bitsandbytes QLoRA on the same GPU
+#   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies what they wrote to $OUT
 #   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
 #          (steps 2-4) written to $OUT/${TAG}_grow_fp8_snapshot.pickle; with recompute and nf4 on GPU 1
 # Raw lines (RESULT and STEP, each with its "label") go to $OUT/${TAG}_<stage>.jsonl, logs to
 # $OUT/${TAG}_<stage>_<label>.log.
 set -uo pipefail
 OUT=${OUT:-.}
-TAG=${TAG:-s27}
+TAG=${TAG:-s28}
 TEXT=${TEXT:-/tmp/text}
+BG=${BG:-/tmp/bg30}
 stage=${1:?stage}
 JSONL=$OUT/${TAG}_$stage.jsonl
 
@@ -36,6 +41,8 @@ job() {  # label, GPUs (CUDA_VISIBLE_DEVICES), seconds, then the command
 }
 LORA30="benchmarks/bench_lora_sft.py --shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --recompute --seq 4096
   --samples-per-row 1 --gbs 2 --mbs 1 --steps 200 --lr 1e-3 --data $TEXT --losses --time-limit ${TIME_LIMIT:-390}"
+QLORA8B="benchmarks/hf_fsdp2.py --qlora --shape llama-8b --lora-rank 16 --lora-alpha 32 --data sft --gbs 8 --steps 10
+  --warmup 4 ${HFQLORA:---mbs 1}"
 LORA8B="benchmarks/bench_lora_sft.py --shape llama-8b --rank 16 --alpha 32 --samples-per-row 1 --gbs 8 --steps 10 --losses"
 
 case $stage in
@@ -53,13 +60,35 @@ case $stage in
     job bf16-ep2 0,1 ${EP2_SECONDS:-300} torchrun --standalone --nproc-per-node 2 $LORA30 --ep 2
     for k in $(seq 1 ${PAIRS:-2}); do
       [ $k = 1 ] && a=0 b=1 || a=1 b=0
-      job "ours-nf4#$k" $a 110 python $LORA8B --impl local --base-precision nf4 &
+      job "ours-nf4-$k" $a 110 python $LORA8B --impl local --base-precision nf4 &
       first=$!
-      job "hf-qlora#$k" $b 110 python benchmarks/hf_fsdp2.py --qlora --shape llama-8b --lora-rank 16 --lora-alpha 32 \
-        --data sft --gbs 8 --steps 10 --warmup 4 ${HFQLORA:---mbs 1} &
+      job "hf-qlora-$k" $b 110 python $QLORA8B &
       second=$!
       wait $first $second
     done ;;
+  bg30)
+    mkdir -p "$BG"
+    OUT=$BG TIME_LIMIT=${TIME_LIMIT:-1500} setsid bash "$0" fg30 > "$BG/fg30.out" 2>&1 < /dev/null &
+    echo "the 30B runs started in $BG"
+    exit 0 ;;
+  fg30)  # bg30's runs (in the foreground of its new session)
+    job fp8-1gpu "${FP8_GPU:-0}" 1600 python $LORA30 --impl local --base-precision fp8 --memory-cap-gib 78 &
+    one=$!
+    job bf16-ep2 "${EP2_GPUS:-2,3}" 1600 torchrun --standalone --nproc-per-node 2 $LORA30 --ep 2 &
+    two=$!
+    wait $one $two
+    touch "$OUT/done"
+    exit 0 ;;
+  eight)
+    g=${GPU:-1}
+    job 8b-bf16-te "$g" 110 python $LORA8B
+    for p in bf16 fp8 nf4; do job "8b-$p-local" "$g" 110 python $LORA8B --impl local --base-precision $p; done
+    job hf-qlora "$g" 110 python $QLORA8B ;;
+  collect)
+    for _ in $(seq "${WAIT:-540}"); do [ -f "$BG/done" ] && break; sleep 1; done
+    [ -f "$BG/done" ] || echo "collect: the 30B runs are still going; copying what they wrote so far"
+    cp "$BG"/*.log "$BG"/*.jsonl "$BG"/fg30.out "$OUT"/ 2>/dev/null
+    stage=fg30 JSONL=$OUT/${TAG}_fg30.jsonl ;;
   grow)  # that a quantized base without recompute no longer grows (~25 GiB a step in session 27: a reference
          # cycle, fixed): 8 layers of the 8B shape, allocated memory after each step, the allocator's history
          # over steps 2-4 (fp8), then the same with recompute, then nf4
@@ -70,6 +99,6 @@ case $stage in
       job grow-nf4 1 120 python $G --base-precision nf4 ) &
     other=$!
     wait $one $other ;;
-  *) echo "unknown stage $stage (one30, ep2, grow)"; exit 2 ;;
+  *) echo "unknown stage $stage (one30, ep2, bg30, eight, collect, grow)"; exit 2 ;;
 esac
 cut -c1-300 "$JSONL" | grep -v '"STEP"' ; grep -h -i "error\|Traceback\|memory:" "$OUT/${TAG}_${stage}"_*.log | tail -8
