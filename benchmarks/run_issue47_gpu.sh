@@ -21,6 +21,9 @@
 #               target_parameters: eager at 1, 2, 4; checkpointed at 4 (peft's parametrized experts break the
 #               compiled graph: hf_fsdp2.py's docstring)
 #   pairlora30  ours (EP=NGPU) and HF at the sweep's best (HFLORA30), twice
+#   lora30      ours only: all 48 layers of Qwen3-30B-A3B, LoRA r8 (alpha 32) on every linear, experts included, at
+#               EP=NGPU, global batch 8 of rows packing 4 samples, micro batch 1: full recompute (the recipe's), selective,
+#               none (the seed case of part 2: MFU and memory of each)
 #   vlm         Qwen2.5-VL-7B LoRA r16 (issue 47 part 2): ours data-parallel on NGPU GPUs (TP=1; the TP=2 + SP run
 #               was 0.43x HF per GPU, RESULTS.md session 9) and HF + peft compiled at micro batch 4 on one GPU, the
 #               same 16 samples of 1,022 tokens (one 392x392 image each) a step; interleaved, twice
@@ -160,6 +163,11 @@ case $stage in
       hf "hf#$k" 150 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $PAIR $HFLORA30
     done
     ratios "ours-ep$NGPU" ;;
+  lora30)
+    L="--shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --seq 4096 --gbs $GBS --mbs 1 --steps 12 --ep $NGPU --losses"
+    ours full 150 bench_lora_sft.py $L --recompute
+    ours selective 150 bench_lora_sft.py $L --recompute-selective
+    ours none 150 bench_lora_sft.py $L ;;
   vlm)
     [ -n "${DRY_RUN:-}" ] || [ -f /tmp/vl7b/config.json ] || python benchmarks/bench_vlm_sft.py make --out /tmp/vl7b >> "$LOG" 2>&1
     for k in 1 2; do

@@ -18,6 +18,8 @@
 #   bg30   4 GPUs: both 30B runs above at once (fp8 on GPU $FP8_GPU, default 0; bf16 at EP=2 on $EP2_GPUS, default
 #          2,3), all 200 steps, started in a new session (setsid) so that they outlive the call; logs in $BG
 #   eight  one GPU ($GPU, default 1): the 8B bases of one30, then HF + peft + bitsandbytes QLoRA on the same GPU
+#   qlora  one GPU ($GPU, default 1): HF + peft + bitsandbytes QLoRA, then ours with the nf4 base (eight's pair in the
+#          other order)
 #   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies what they wrote to $OUT
 #   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
 #          (steps 2-4) written to $OUT/${TAG}_grow_fp8_snapshot.pickle; with recompute and nf4 on GPU 1
@@ -84,6 +86,10 @@ case $stage in
     job 8b-bf16-te "$g" 110 python $LORA8B
     for p in bf16 fp8 nf4; do job "8b-$p-local" "$g" 110 python $LORA8B --impl local --base-precision $p; done
     job hf-qlora "$g" 110 python $QLORA8B ;;
+  qlora)
+    g=${GPU:-1}
+    job hf-qlora-2 "$g" 110 python $QLORA8B
+    job ours-nf4-2 "$g" 110 python $LORA8B --impl local --base-precision nf4 ;;
   collect)
     for _ in $(seq "${WAIT:-540}"); do [ -f "$BG/done" ] && break; sleep 1; done
     [ -f "$BG/done" ] || echo "collect: the 30B runs are still going; copying what they wrote so far"
@@ -99,6 +105,6 @@ case $stage in
       job grow-nf4 1 120 python $G --base-precision nf4 ) &
     other=$!
     wait $one $other ;;
-  *) echo "unknown stage $stage (one30, ep2, bg30, eight, collect, grow)"; exit 2 ;;
+  *) echo "unknown stage $stage (one30, ep2, bg30, eight, qlora, collect, grow)"; exit 2 ;;
 esac
 cut -c1-300 "$JSONL" | grep -v '"STEP"' ; grep -h -i "error\|Traceback\|memory:" "$OUT/${TAG}_${stage}"_*.log | tail -8

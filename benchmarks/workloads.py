@@ -189,17 +189,68 @@ WORKLOADS = (
         paired=True,
     ),
     Workload(
-        name="vlm-7b-lora-tp2",
+        name="moe30b-16l-fsdp2",
+        what="16 layers of Qwen3-30B-A3B (all 128 experts), full fine-tuning, seq 4096, global batch 8, random "
+             "tokens; ours at EP=2 (micro batch 2, torch's experts, the fusions, no recompute) against "
+             "transformers' model (its grouped_mm experts) under FSDP2 at its sweep's fastest: compiled, "
+             "checkpointed, micro batch 4 (same machine and call, not interleaved)",
+        device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0", unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, EP=2", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh pair30",
+                  Reading(("2026-11-28/s28_pair30.jsonl",), TOKENS, {"label": "ours-ep2"})),
+        baseline=Side("HF + FSDP2, compiled, checkpointed, micro batch 4",
+                      "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh sweep30",
+                      Reading(("2026-11-28/s28_sweep30.jsonl",), TOKENS, {"label": "sweep", "mbs": 4})),
+        goals=(Goal(47, "≥ 5× HF + FSDP2", "ratio", 5.0),),
+    ),
+    Workload(
+        name="moe30b-lora-ep2",
+        what="Qwen3-30B-A3B (48 layers), LoRA r8 on every linear including the experts, EP=2, global batch 8 "
+             "of rows packing 4 samples, micro batch 1, full recompute (the recipe's; 36 GB a GPU)",
+        device=H200, gpus=2, versions=KIT, unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, EP=2", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh lora30",
+                  Reading(("2026-11-28/s28_lora30.jsonl",), TOKENS, {"label": "full", "line": "RESULT"})),
+        goals=(Goal(47, "MFU ≥ 25% (full-model FLOPs)", "mfu_full_model_flops", 0.25, unit="%"),),
+    ),
+    Workload(
+        name="moe30b-lora-fp8-1gpu",
+        what="Qwen3-30B-A3B (48 layers), LoRA r8 on every linear, on ONE GPU over an FP8 base (torch's "
+             "allocator capped at 78 GiB, as an 80 GB H100), mcore's local layers, full recompute, real text, "
+             "seq 4096, global batch 2, 200 steps; against the bf16 base at EP=2 on 2 GPUs (the same rows)",
+        device=H200, gpus=1, versions=KIT, unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, FP8 base, 1 GPU",
+                  "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh bg30; WAIT=900 bash benchmarks/run_issue49_gpu.sh collect",
+                  Reading(("2026-11-28/s28_fg30.jsonl",), TOKENS, {"label": "fp8-1gpu", "line": "RESULT"})),
+        baseline=Side("lightning-mcore, bf16 base, EP=2 on 2 GPUs",
+                      "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh bg30; WAIT=900 bash benchmarks/run_issue49_gpu.sh collect",
+                      Reading(("2026-11-28/s28_fg30.jsonl",), TOKENS, {"label": "bf16-ep2", "line": "RESULT"})),
+    ),
+    Workload(
+        name="lora8b-nf4-qlora",
+        what="Llama-3-8B shape, LoRA r16 on every linear over an NF4 base, one GPU, seq 4096, global batch 8, "
+             "micro batch 1, no recompute; ours (mcore's local layers) against transformers + peft + "
+             "bitsandbytes QLoRA (NF4, double quantization); two runs each, one after the other on one GPU",
+        device=H200, gpus=1, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0, bitsandbytes 0.50.2",
+        unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, NF4 base", "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh eight; "
+                                              "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh qlora",
+                  Reading(("2026-11-28/s28_eight.jsonl", "2026-11-28/s28_qlora.jsonl"), TOKENS,
+                          {"label": ("8b-nf4-local", "ours-nf4-2"), "line": "RESULT"})),
+        baseline=Side("HF + peft + bitsandbytes QLoRA", "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh eight; "
+                                                        "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh qlora",
+                      Reading(("2026-11-28/s28_eight.jsonl", "2026-11-28/s28_qlora.jsonl"), TOKENS,
+                              {"label": ("hf-qlora", "hf-qlora-2"), "line": "RESULT"})),
+    ),
+    Workload(
+        name="vlm-7b-lora-dp2",
         what="Qwen2.5-VL-7B shape, LoRA r16 on the decoder, 1,022-token samples with one 392x392 image, 16 "
-             "per step; ours TP=2 + SP on 2 GPUs (4 samples packed per row), HF + peft on one GPU",
+             "per step; ours data parallel on 2 GPUs (4 samples packed per row; TP=2 + SP ran 0.43x, session "
+             "9), HF + peft on one GPU; two runs of ours, one of HF (its second was cut by the call's time)",
         device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0", unit="tokens/s/GPU",
         setup=f"python benchmarks/bench_vlm_sft.py make --out {_VLM}",
-        ours=Side("lightning-mcore, TP=2", f"torchrun --standalone --nproc-per-node 2 benchmarks/bench_vlm_sft.py "
-                                           f"ours --model {_VLM} --tp 2",
-                  Reading(("2026-11-24/issue24_vlm_tp2_h200x2.jsonl",), TOKENS, {"impl": "ours", "full": False})),
-        baseline=Side("HF + peft compiled, micro batch 4, 1 GPU",
-                      f"python benchmarks/bench_vlm_sft.py hf --model {_VLM} --micro-batch 4 --compile",
-                      Reading(("2026-11-24/issue24_vlm_tp2_h200x2.jsonl",), TOKENS, {"impl": "hf-compile"})),
+        ours=Side("lightning-mcore, DP=2", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh vlm",
+                  Reading(("2026-11-28/s28_vlm.jsonl",), TOKENS, {"label": "ours-dp2"})),
+        baseline=Side("HF + peft compiled, micro batch 4, 1 GPU", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh vlm",
+                      Reading(("2026-11-28/s28_vlm.jsonl",), TOKENS, {"label": "hf"})),
         goals=(Goal(47, "per GPU ≥ HF + peft on one GPU", "ratio", 1.0),),
     ),
     Workload(

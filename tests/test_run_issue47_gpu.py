@@ -91,3 +91,15 @@ def test_summary_picks_the_fastest_run_and_divides_pairs():
     lines = issue47_summary.ratio_lines(pairs, "ours", "hf")
     assert "6.00x" in lines[0] and "4.00x" in lines[1]
     assert "geometric mean 4.899x" in lines[2]  # sqrt(6 x 4)
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_lora30_stage_runs_the_seed_case_three_ways(gpus, tmp_path):
+    """Ours only: all 48 layers of Qwen3-30B-A3B, LoRA r8 on every linear (experts too), EP over every GPU,
+    the same rows each time; full, selective and no recompute, in that order."""
+    commands = dry_run("lora30", gpus, tmp_path)
+    assert [s for s, _ in commands] == ["bench_lora_sft.py"] * 3
+    args = [a for _, a in commands]
+    assert [(a.recompute, a.recompute_selective) for a in args] == [(True, False), (False, True), (False, False)]
+    for a in args:
+        assert (a.shape, a.layers, a.ep, a.rank, a.mbs, a.gbs, a.seq) == ("qwen3-30b-a3b", None, gpus, 8, 1, 8, 4096)
