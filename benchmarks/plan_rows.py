@@ -42,7 +42,8 @@ def vlm(seq: int = 4096):
 def inputs(cfg, ranks=1, mbs=1, gbs=4, lora=None, optim=OptimizerSettings(), vision=0, **parallel):
     p = ParallelConfig(use_distributed_optimizer=True, **parallel)
     return PlanInputs(model=cfg, parallel=p, world_size=ranks, micro_batch_size=mbs, global_batch_size=gbs,
-                      bf16=True, optim=optim, lora=lora, vision_parameters=vision)
+                      bf16=True, optim=optim, lora=lora, vision_parameters=vision,
+                      fused=cfg.transformer_impl != "local")  # as `fit` plans on a GPU
 
 
 def rows():
@@ -68,9 +69,19 @@ def rows():
          inputs(shape("gpt-oss-20b-layers"), ranks=2, gbs=8, expert_model_parallel_size=2)),
         ("MoE EP=2 full: GLM-4.5-Air layers x3", "issue 45 throughput", 61.9,
          inputs(shape("glm4.5-air-layers"), ranks=2, gbs=8, expert_model_parallel_size=2)),
-        ("MoE LoRA r8: Qwen3-30B-A3B, EP=2, full recompute", "acceptance 5 (issue 19)", 35.3,
+        ("MoE LoRA r8: Qwen3-30B-A3B, EP=2, full recompute", "session 28 lora30", 36.1,
          inputs(shape("qwen3-30b-a3b", **FULL), ranks=2, gbs=8, expert_model_parallel_size=2,
                 lora=LoRAConfig(rank=8, alpha=32))),
+        ("MoE LoRA r8: Qwen3-30B-A3B, EP=2, no recompute", "session 28 lora30", 56.8,
+         inputs(shape("qwen3-30b-a3b"), ranks=2, gbs=8, expert_model_parallel_size=2,
+                lora=LoRAConfig(rank=8, alpha=32))),
+        ("MoE LoRA r8 over an FP8 base: Qwen3-30B-A3B, 1 GPU, local layers, full recompute", "session 28 fg30", 38.9,
+         inputs(shape("qwen3-30b-a3b", transformer_impl="local", **FULL), gbs=2,
+                lora=LoRAConfig(rank=8, alpha=32, base_precision="fp8"))),
+        ("dense LoRA r16 over an FP8 base: Llama-3-8B, 1 GPU, local layers", "session 28 eight", 37.6,
+         inputs(shape("llama-8b", transformer_impl="local"), gbs=8, lora=LoRAConfig(rank=16, alpha=32, base_precision="fp8"))),
+        ("dense LoRA r16 over an NF4 base: Llama-3-8B, 1 GPU, local layers", "session 28 eight", 34.7,
+         inputs(shape("llama-8b", transformer_impl="local"), gbs=8, lora=LoRAConfig(rank=16, alpha=32, base_precision="nf4"))),
         ("VLM LoRA r16: Qwen2.5-VL-7B, 1 GPU", "session 5 (issue 24)", 35.7,
          inputs(vl, lora=LoRAConfig(rank=16, alpha=32), vision=vision)),
         ("VLM LoRA r16: Qwen2.5-VL-7B, TP=2 + SP", "issue 24 TP=2", 18.7,
