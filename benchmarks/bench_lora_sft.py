@@ -40,7 +40,7 @@ from typing import Optional
 
 import lightning as L
 import torch
-from bench_pretrain import PEAK_BF16_TFLOPS, SHAPES, flops_per_token
+from bench_pretrain import PEAK_BF16_TFLOPS, SHAPES, flops_per_token, profile_tables
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings
@@ -141,6 +141,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-snapshot", default=None, metavar="PATH",
                     help="record torch's allocator history over steps 2-4 and write its snapshot to PATH "
                          "(open it at pytorch.org/memory_viz)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="torch.profiler over the first 3 timed steps; each rank writes DIR/rank{N}.txt (ops by host "
+                         "and device time, the GPU's idle gaps); those steps' times count in RESULT, so profile in a run "
+                         "of its own")
     ap.add_argument("--time-limit", type=float, default=None, metavar="S",
                     help="stop after the step that ends past S seconds of training (RESULT counts the steps done)")
     args = ap.parse_args(argv)
@@ -207,13 +211,15 @@ class Bench(L.Callback):
     before Lightning's teardown, whose collectives would wait for the other ranks."""
 
     def __init__(self, settings: dict, devices: int, rank: int, losses: bool = False,
-                 time_limit: Optional[float] = None, snapshot: Optional[str] = None) -> None:
+                 time_limit: Optional[float] = None, snapshot: Optional[str] = None,
+                 profile: Optional[str] = None) -> None:
         self.settings, self.devices, self.rank = settings, devices, rank
         self.times: list[float] = []
         self.losses: Optional[list[float]] = [] if losses else None
         self.time_limit = time_limit
         self.snapshot = snapshot if rank == 0 else None
         self.setup_peak_gb: Optional[float] = None
+        self.profile, self._prof = profile, None
 
     def on_train_start(self, *a):
         """The peak of building and loading (a quantized base is built in bf16 first) is kept apart:
@@ -225,6 +231,10 @@ class Bench(L.Callback):
     def on_train_batch_start(self, *a):
         if self.snapshot and len(self.times) == 1:  # steps 2-4: past the first step's one-time allocations
             torch.cuda.memory._record_memory_history(max_entries=200_000)
+        if self.profile and len(self.times) == UNTIMED_STEPS:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA])
+            self._prof.__enter__()
         torch.cuda.synchronize()
         self.t = time.perf_counter()
 
@@ -240,6 +250,13 @@ class Bench(L.Callback):
                                             "grad_norm": None if norm is None else round(float(norm), 5),
                                             "s": round(self.times[-1], 3),
                                             "allocated_gib": round(allocated, 2)}), flush=True)
+        if self._prof is not None and len(self.times) == UNTIMED_STEPS + 3:
+            self._prof.__exit__(None, None, None)
+            os.makedirs(self.profile, exist_ok=True)
+            with open(os.path.join(self.profile, f"rank{self.rank}.txt"), "w") as f:
+                f.write(f"steps {UNTIMED_STEPS + 1}-{UNTIMED_STEPS + 3}, step s {self.times[-3:]}\n"
+                        + profile_tables(self._prof))
+            self._prof = None
         if self.snapshot and len(self.times) == 4:
             torch.cuda.memory._dump_snapshot(self.snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -300,7 +317,8 @@ def main() -> None:
         local = int(os.environ.get("LOCAL_RANK", 0))
         total = torch.cuda.get_device_properties(local).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), local)
-    bench = Bench(settings(args, cfg, devices), devices, rank, args.losses, args.time_limit, args.memory_snapshot)
+    bench = Bench(settings(args, cfg, devices), devices, rank, args.losses, args.time_limit, args.memory_snapshot,
+                  args.profile)
     # the distributed optimizer (the GPU default, said here because optimizer offload needs it)
     strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=args.mbs, expert_model_parallel_size=args.ep,
                                 expert_tensor_parallel_size=1 if args.ep > 1 else None,

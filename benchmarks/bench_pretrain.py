@@ -213,15 +213,7 @@ class StepTimer:
             text = buf.getvalue()
         else:
             self._prof.__exit__(None, None, None)
-            ka = self._prof.key_averages()
-            kernels = [(e.name, e.time_range.start, e.time_range.end) for e in self._prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA]
-            gaps = idle_gaps(kernels)
-            text = (ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
-                    + ka.table(sort_by="self_device_time_total", row_limit=40)
-                    + f"\nGPU idle over the 3 steps: {gaps['idle_us'] / 1e3:.1f} of {gaps['span_us'] / 1e3:.1f} ms; "
-                      "largest gaps (µs, kernel before -> kernel after):\n"
-                    + "\n".join(f"  {g['us']:>9} {g['after'][:70]} -> {g['before'][:70]}" for g in gaps["largest"]))
+            text = profile_tables(self._prof)
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
@@ -237,6 +229,20 @@ class StepTimer:
                 "gc_max_ms": round(1e3 * max((p for i, p in self.gc_pauses if warmup <= i < len(self.times)),
                                             default=0.0), 1),
                 "full_gc_ms": self.full_gc_ms}
+
+
+def profile_tables(prof, steps: int = 3) -> str:
+    """A finished torch.profiler run as text: the ops by host time, then by device time, then how
+    long the GPU sat idle between kernels and its largest gaps (what the host made it wait for)."""
+    ka = prof.key_averages()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    gaps = idle_gaps(kernels)
+    return (ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n"
+            + ka.table(sort_by="self_device_time_total", row_limit=40)
+            + f"\nGPU idle over the {steps} steps: {gaps['idle_us'] / 1e3:.1f} of {gaps['span_us'] / 1e3:.1f} ms; "
+              "largest gaps (µs, kernel before -> kernel after):\n"
+            + "\n".join(f"  {g['us']:>9} {g['after'][:70]} -> {g['before'][:70]}" for g in gaps["largest"]))
 
 
 def idle_gaps(kernels: list[tuple[str, float, float]], top: int = 8) -> dict:

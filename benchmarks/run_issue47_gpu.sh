@@ -27,8 +27,9 @@
 #   vlm         Qwen2.5-VL-7B LoRA r16 (issue 47 part 2): ours data-parallel on NGPU GPUs (TP=1; the TP=2 + SP run
 #               was 0.43x HF per GPU, RESULTS.md session 9) and HF + peft compiled at micro batch 4 on one GPU, the
 #               same 16 samples of 1,022 tokens (one 392x392 image each) a step; interleaved, twice
-#   profile CASE  CASE = 30b, 8b, lora8b or lora30: torch.profiler tables of steps 10-12, one file per rank,
-#               in $OUT/${TAG}_profile_CASE/{hf,ours}/rank{N}.txt (ours for the full-FT cases only)
+#   profile CASE  CASE = 30b, 8b, lora8b, lora30 or seed30 (lora30's full-recompute case, ours only): torch.profiler
+#               tables of three steps (HF's 10-12, ours' first three timed), one file per rank, in
+#               $OUT/${TAG}_profile_CASE/{hf,ours}/rank{N}.txt
 # A pair stage without its sweep's file uses the settings written below as fallbacks (the memory estimate's
 # choice), so the pairs can run first when time is short. Raw lines (each RESULT with its "label") go to
 # $OUT/${TAG}_<stage>.jsonl, logs to $OUT/${TAG}_<stage>.log; a pair stage ends with its ratios
@@ -184,10 +185,15 @@ case $stage in
       8b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 \
             $P --profile
           hf hf 150 $A8B $P $(best sweep8b "--mbs 1 --compile") --profile-dir "$dir/hf" ;;
-      lora8b) hf hf 150 $A8B $LORA $P $(best sweeplora8b "--mbs $(biggest 2) --compile") --profile-dir "$dir/hf" ;;
-      lora30) hf hf 200 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $P \
+      lora8b) ours ours 100 bench_lora_sft.py --shape llama-8b $OURS_LORA --profile "$dir/ours"
+              hf hf 150 $A8B $LORA $P $(best sweeplora8b "--mbs $(biggest 2) --compile") --profile-dir "$dir/hf" ;;
+      lora30) ours ours 120 bench_lora_sft.py --shape qwen3-30b-a3b --layers "$LORA30" --ep "$NGPU" $OURS_LORA \
+                --profile "$dir/ours"
+              hf hf 200 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $P \
                 $(best sweeplora30 "--mbs 1 --ac") --profile-dir "$dir/hf" ;;
-      *) echo "profile needs a case: 30b, 8b, lora8b or lora30"; exit 2 ;;
+      seed30) ours ours 150 bench_lora_sft.py --shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --gbs $GBS \
+                --mbs 1 --steps 7 --ep "$NGPU" --recompute --profile "$dir/ours" ;;  # lora30's recipe case, ours only
+      *) echo "profile needs a case: 30b, 8b, lora8b, lora30 or seed30"; exit 2 ;;
     esac ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -103,3 +103,8 @@ def test_lora30_stage_runs_the_seed_case_three_ways(gpus, tmp_path):
     assert [(a.recompute, a.recompute_selective) for a in args] == [(True, False), (False, True), (False, False)]
     for a in args:
         assert (a.shape, a.layers, a.ep, a.rank, a.mbs, a.gbs, a.seq) == ("qwen3-30b-a3b", None, gpus, 8, 1, 8, 4096)
+    (script, profiled), = dry_run("profile seed30", gpus, tmp_path)  # the first case, profiled
+    assert script == "bench_lora_sft.py" and profiled.profile and profiled.recompute
+    assert (profiled.shape, profiled.layers, profiled.ep, profiled.rank, profiled.mbs, profiled.gbs, profiled.seq,
+            profiled.alpha, profiled.samples_per_row) == (a.shape, a.layers, a.ep, a.rank, a.mbs, a.gbs, a.seq,
+                                                          a.alpha, a.samples_per_row)
