@@ -168,7 +168,7 @@ def _live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("precision", ["fp8", "nf4"])
+@pytest.mark.parametrize("precision", ["fp8", "nf4", "mxfp4"])
 def test_steps_leave_no_dequantized_weight_behind(precision):
     """With the collector's passes off (training defers them: gc.freeze, manual gc), forward and
     backward over a quantized base free every dequantized weight: no tensor bytes more after 3
@@ -197,7 +197,7 @@ def test_steps_leave_no_dequantized_weight_behind(precision):
     assert after == before, (before, after)
 
 
-@pytest.mark.parametrize("precision", ["fp8", "nf4"])
+@pytest.mark.parametrize("precision", ["fp8", "nf4", "mxfp4"])
 def test_unsupported_base_precisions_are_refused(precision):
     with pytest.raises(LoRAError, match="base_precision 'int4' is not supported: use 'bf16'"):
         LoRAConfig(base_precision="int4")

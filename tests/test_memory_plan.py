@@ -28,6 +28,7 @@ from toy import fit, tiny_config
 from lightning_mcore import LoRAConfig, OptimizerSettings
 from lightning_mcore.callbacks.console import default_console
 from lightning_mcore.callbacks.memory_plan import MemoryPlanReport, report_line
+from lightning_mcore.lora.quantized_base import CODECS
 from lightning_mcore.plan.activations import logits_elements
 from lightning_mcore.plan.inputs import PlanInputs
 from lightning_mcore.plan.memory import optimizer_bytes, stage_plan
@@ -65,7 +66,7 @@ class Measure(L.Callback):
         frozen_bytes = sum(p.untyped_storage().nbytes() for p in params
                            if not p.requires_grad and not hasattr(p, "quantized_base"))
         frozen_bytes += sum(b.nbytes for chunk in module.chunks for name, b in chunk.named_buffers()
-                            if name.endswith(("_fp8", "_nf4", "_scale")))
+                            if name.endswith((*(f"_{codec}" for codec in CODECS), "_scale")))
         record = dict(stage=parallel_state.get_pipeline_model_parallel_rank(), frozen_bytes=frozen_bytes,
                       trainable=sum(p.numel() for p in params if p.requires_grad),
                       frozen=sum(p.numel() for p in params if not p.requires_grad), grads=grads, state=state)
@@ -87,6 +88,8 @@ LAYOUTS = {
     # FFNs 128 wide: two of NF4's 64-input blocks (two scales) a row of the fc2s
     "lora_nf4_ep2": (2, dict(SHARED, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128),
                      dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
+    # MXFP4: a byte-sized exponent per 32 inputs
+    "lora_mxfp4_ep2": (2, SHARED, dict(expert_model_parallel_size=2, use_distributed_optimizer=False)),
 }
 
 
@@ -94,7 +97,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parameters_grads_and_optimizer_state_per_rank(layout, tmp_path):
     ranks, overrides, parallel = LAYOUTS[layout]
-    precision = next((p for p in ("fp8", "nf4") if p in layout), "bf16")
+    precision = next((p for p in ("fp8", "nf4", "mxfp4") if p in layout), "bf16")
     lora = LoRAConfig(rank=4, alpha=8, base_precision=precision) \
         if layout.startswith("lora") else None
     config = tiny_config(**overrides)
@@ -110,8 +113,8 @@ def test_parameters_grads_and_optimizer_state_per_rank(layout, tmp_path):
         assert (counted.frozen > 0) == (lora is not None) and (counted.experts > 0) == ("num_moe_experts" in overrides)
         plan = stage_plan(inputs, measured["stage"])
         if lora is not None:  # fp32 weights here: 4 bytes a frozen parameter, the codes' bytes (fp8: 1
-            # a weight, nf4: 1/2), 4 a scale (fp8: one a row, nf4: one per 64 inputs)
-            frozen = (counted.frozen - counted.quantized) * 4 + counted.code_bytes + counted.scales * 4
+            # a weight, nf4 and mxfp4: 1/2), the scales' (fp8: 4 a row, nf4: 4 per 64 inputs, mxfp4: 1 per 32)
+            frozen = (counted.frozen - counted.quantized) * 4 + counted.code_bytes + counted.scale_bytes
             assert frozen == measured["frozen_bytes"], (rank, measured)
             assert plan.weights == frozen + counted.trainable * 4 + counted.largest_quantized * 4
             assert (counted.quantized > 0) == (lora.base_precision != "bf16")

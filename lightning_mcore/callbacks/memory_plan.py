@@ -15,7 +15,7 @@ from lightning_mcore.plan.run import plan_inputs
 
 def report_line(planned: int, peak: int, steps: int, during_setup: bool = False) -> str:
     """`during_setup`: the peak was reached before training (building and loading the model: a
-    LoRA base held in FP8 or NF4 is built in bf16 first), so training's own peak is below it."""
+    LoRA base held in FP8, NF4 or MXFP4 is built in bf16 first), so training's own peak is below it."""
     setup = (" (reached while building and loading the model, before training: training's own peak is "
              "lower)") if during_setup else ""
     return (f"memory: planned {planned / GiB:.1f} GiB per GPU (pipeline stage 0), measured peak "

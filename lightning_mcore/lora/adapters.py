@@ -217,7 +217,7 @@ def base_path(name: str) -> str:
 
 def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -> dict[str, float]:
     """Freeze every base parameter (and MoE routing bias) and attach adapters to the targeted
-    layers; with base_precision "fp8" or "nf4", quantize the adapted base weights
+    layers; with base_precision "fp8", "nf4" or "mxfp4", quantize the adapted base weights
     (lora/quantized_base.py) and return the relative error of each kind of them (collective
     then), else {}."""
     adapt_experts = adapts_experts(lora)

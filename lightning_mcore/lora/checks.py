@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from lightning_mcore.lora import nf4
 from lightning_mcore.lora.config import LoRAConfig, LoRAError, adapts_experts, resolve_targets
+from lightning_mcore.lora.quantized_base import CODECS
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_mcore.model.config import GPTConfig
@@ -33,20 +33,20 @@ def check_lora_plan(lora: LoRAConfig, model: "GPTConfig", uses_te: bool = False,
                     etp: Optional[int] = None) -> None:
     """Raise LoRAPlanError naming the settings and the fix; return None when `lora` applies.
     `uses_te`: whether the model is built with Transformer Engine's layers; `tp`, `etp`: the
-    tensor- and expert-tensor-parallel sizes, which split row-parallel inputs (an NF4 block must
-    not straddle a shard). (Any expert-TP size applies to the adapters: they shard over it like
+    tensor- and expert-tensor-parallel sizes, which split row-parallel inputs (an NF4 or MXFP4
+    block must not straddle a shard). (Any expert-TP size applies to the adapters: they shard over it like
     the expert linears.)"""
     if lora.experts and not model.num_moe_experts:
         raise LoRAPlanError(
             "LoRA experts=True, but the model has no MoE experts (num_moe_experts is not set): "
             "leave lora.experts unset (or False).", lora=("experts",), fields=("num_moe_experts",))
-    if lora.base_precision in ("fp8", "nf4") and uses_te:
+    if lora.base_precision != "bf16" and uses_te:
         raise LoRAPlanError(
             f"LoRA base_precision={lora.base_precision!r} runs on mcore's local layers (and torch's "
             "grouped experts) only so far; this model is built with Transformer Engine's layers: set "
             "the model's transformer_impl='local', or lora.base_precision='bf16'.",
             lora=("base_precision",), fields=("transformer_impl",))
-    if lora.base_precision == "nf4":
+    if block_of(lora.base_precision):
         check_block_widths(lora, model, tp, etp or tp)
     if not adapts_experts(lora, model):
         return
@@ -102,11 +102,20 @@ def refuse_grouped_gemm_experts(lora: LoRAConfig, model: "GPTConfig", uses_te: b
             lora=("experts",), fields=("moe_grouped_gemm", "moe_grouped_gemm_backend"))
 
 
+def block_of(base_precision: str) -> Optional[int]:
+    """The inputs one scale covers in a base precision quantized by blocks (nf4: 64, mxfp4: 32),
+    else None (bf16, and fp8's scale per whole row)."""
+    codec = CODECS.get(base_precision)
+    return codec.block if codec else None
+
+
 def check_block_widths(lora: LoRAConfig, model: "GPTConfig", tp: int = 1, etp: int = 1) -> None:
-    """NF4 quantizes blocks of 64 inputs within a row (lora/nf4.py): a targeted linear whose input
-    width, or whose row-parallel shard's (its width / TP, experts: / expert-TP), is not whole
-    blocks is refused here, before launch. (The linears of multi-latent attention are refused
-    where the base is quantized, naming the layer: lora/adapters.py.)"""
+    """NF4 and MXFP4 quantize blocks of inputs within a row (lora/nf4.py: 64, lora/mxfp4.py: 32): a
+    targeted linear whose input width, or whose row-parallel shard's (its width / TP, experts:
+    / expert-TP), is not whole blocks is refused here, before launch. (The linears of
+    multi-latent attention are refused where the base is quantized, naming the layer:
+    lora/adapters.py.)"""
+    block, name = block_of(lora.base_precision), lora.base_precision
     targets = resolve_targets(lora.target_modules)
     widths = []  # (the linear, its input width, the model field that sets it, the shards of its inputs)
     if "linear_qkv" in targets or "linear_fc1" in targets:
@@ -122,18 +131,18 @@ def check_block_widths(lora: LoRAConfig, model: "GPTConfig", tp: int = 1, etp: i
         if adapts_experts(lora, model):
             widths.append(("experts' linear_fc2", model.moe_ffn_hidden_size or model.ffn_hidden_size,
                            "moe_ffn_hidden_size", etp))
-    for name, width, field, shards in widths:
-        if width % nf4.BLOCK:
+    for linear, width, field, shards in widths:
+        if width % block:
             raise LoRAPlanError(
-                f"LoRA base_precision='nf4' quantizes blocks of {nf4.BLOCK} inputs, but {name} has {width} "
-                f"inputs ({field}), not a multiple of {nf4.BLOCK}: leave it out of lora.target_modules, "
+                f"LoRA base_precision={name!r} quantizes blocks of {block} inputs, but {linear} has {width} "
+                f"inputs ({field}), not a multiple of {block}: leave it out of lora.target_modules, "
                 f"or use lora.base_precision='fp8'.", lora=("base_precision", "target_modules"), fields=(field,))
-        if width // shards % nf4.BLOCK:
-            option = "expert_tensor_parallel_size" if shards == etp and name.startswith("experts") \
+        if width // shards % block:
+            option = "expert_tensor_parallel_size" if shards == etp and linear.startswith("experts") \
                 else "tensor_model_parallel_size"
             raise LoRAPlanError(
-                f"LoRA base_precision='nf4' quantizes blocks of {nf4.BLOCK} inputs, but {name}'s {width} inputs "
+                f"LoRA base_precision={name!r} quantizes blocks of {block} inputs, but {linear}'s {width} inputs "
                 f"({field}) split over {shards} tensor-parallel ranks leave {width // shards} per rank, not a "
-                f"multiple of {nf4.BLOCK}: choose a {option} that leaves whole blocks, leave {name} out of "
+                f"multiple of {block}: choose a {option} that leaves whole blocks, leave {linear} out of "
                 f"lora.target_modules, or use lora.base_precision='fp8'.",
                 lora=("base_precision", "target_modules"), fields=(field,), options=(option,))

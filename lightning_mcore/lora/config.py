@@ -65,16 +65,19 @@ class LoRAConfig:
     # the targets name no expert linear).
     experts: Optional[bool] = None
     # The frozen base weights LoRA adapts: "bf16" (the model's dtype, as loaded), "fp8" (FP8
-    # e4m3 codes with one scale per output row) or "nf4" (QLoRA's 4-bit NormalFloat codes, an
-    # absmax scale per 64 inputs), dequantized per call: lora/quantized_base.py, lora/nf4.py.
-    base_precision: Literal["bf16", "fp8", "nf4"] = "bf16"
+    # e4m3 codes with one scale per output row), "nf4" (QLoRA's 4-bit NormalFloat codes, an
+    # absmax scale per 64 inputs) or "mxfp4" (OCP MXFP4: E2M1 codes, a power-of-two scale per 32
+    # inputs; GPT-OSS's published experts keep their values exactly), dequantized per call:
+    # lora/quantized_base.py, lora/nf4.py, lora/mxfp4.py.
+    base_precision: Literal["bf16", "fp8", "nf4", "mxfp4"] = "bf16"
 
     def __post_init__(self) -> None:
-        if self.base_precision not in ("bf16", "fp8", "nf4"):
+        if self.base_precision not in ("bf16", "fp8", "nf4", "mxfp4"):
             raise LoRAError(
                 f"LoRA base_precision {self.base_precision!r} is not supported: use 'bf16' "
-                f"(the base as loaded), 'fp8' (e4m3 codes, a scale per output row) or 'nf4' "
-                f"(4-bit NormalFloat codes, a scale per 64 inputs).")
+                f"(the base as loaded), 'fp8' (e4m3 codes, a scale per output row), 'nf4' "
+                f"(4-bit NormalFloat codes, a scale per 64 inputs) or 'mxfp4' (E2M1 codes, a "
+                f"power-of-two scale per 32 inputs).")
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise LoRAError(f"LoRA rank must be a positive int, got {self.rank!r}.")
         if not 0.0 <= self.dropout < 1.0:

@@ -1,8 +1,9 @@
-"""LoRA over a quantized frozen base (LoRAConfig.base_precision "fp8" or "nf4"): the base weights
-that LoRA adapts are held as codes and fp32 scales, and turned back into the model's dtype for
-each call only. A `Codec` says how: "fp8" (below) or "nf4" (4-bit NormalFloat codes, an absmax
-scale per block of 64 along the input dimension: lora/nf4.py). Everything else (the hooks,
-placeholders, merging, the error report) is one mechanism for both.
+"""LoRA over a quantized frozen base (LoRAConfig.base_precision "fp8", "nf4" or "mxfp4"): the base
+weights that LoRA adapts are held as codes and scales, and turned back into the model's dtype for
+each call only. A `Codec` says how: "fp8" (below), "nf4" (4-bit NormalFloat codes, an absmax
+scale per block of 64 along the input dimension: lora/nf4.py) or "mxfp4" (E2M1 codes, a
+power-of-two scale per block of 32: lora/mxfp4.py). Everything else (the hooks, placeholders,
+merging, the error report) is one mechanism for all.
 
 FP8:
 
@@ -61,7 +62,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_mcore.lora import nf4
+from lightning_mcore.lora import mxfp4, nf4
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -129,28 +130,32 @@ class Codec:
     name: str  # the LoRAConfig.base_precision, and the suffix of the codes' buffer
     quantize: Callable  # (weight, row-parallel group or None) -> (codes, scales)
     dequantize: Callable  # (codes, scales, dtype) -> weight
-    code_bytes: float = 1.0  # bytes a code takes (nf4: two codes a byte)
+    code_bytes: float = 1.0  # bytes a code takes (nf4, mxfp4: two codes a byte)
     block: Optional[int] = None  # elements a scale covers along a row (None: the whole row)
     description: str = ""
+    scale_bytes: int = 4  # bytes a scale takes (fp32; mxfp4's E8M0 exponent: 1)
 
 
 CODECS = {codec.name: codec for codec in (
     Codec("fp8", quantize_rows, dequantize, description="e4m3, a scale per output row"),
     Codec("nf4", nf4.quantize_blocks, nf4.dequantize_blocks, 0.5, nf4.BLOCK,
-          description=f"4-bit NormalFloat, an absmax scale per {nf4.BLOCK} inputs"))}
+          description=f"4-bit NormalFloat, an absmax scale per {nf4.BLOCK} inputs"),
+    Codec("mxfp4", mxfp4.quantize_blocks, mxfp4.dequantize_blocks, 0.5, mxfp4.BLOCK,
+          description=f"E2M1, a power-of-two scale per {mxfp4.BLOCK} inputs", scale_bytes=1))}
 
 
 @dataclass
 class QuantizedWeights:
     """The codes of frozen weights that one module computes with: a linear's `weight`, or the
     rows of torch's grouped experts' [E, out, in] block (`params[e]`: expert e's weight).
-    Codes and scales are the owner's buffers `<name>_<codec>` (`_fp8`, `_nf4`) and `<name>_scale`."""
+    Codes and scales are the owner's buffers `<name>_<codec>` (`_fp8`, `_nf4`, `_mxfp4`) and
+    `<name>_scale`."""
 
     owner: torch.nn.Module
     name: str
     params: list
     dtype: torch.dtype
-    shape: tuple  # of the codes: [out, in] or [E, out, in] (nf4: in / 2)
+    shape: tuple  # of the codes: [out, in] or [E, out, in] (nf4, mxfp4: in / 2)
     codec: Codec = CODECS["fp8"]
     merged: bool = False  # the params hold real data (set_merged), the hooks leave them be
     live: list = field(default_factory=list)  # the materialisations of calls in progress

@@ -9,6 +9,7 @@ Bytes per parameter, as mcore allocates them (grad_reduce_in_fp32, strategy/mega
     frozen (LoRA base)   2 or 4     -         -
     frozen, FP8 base     1 + 4 per row (its scale), + the largest weight dequantized for a call
     frozen, NF4 base     1/2 + 4 per 64 inputs (a block's scale), + the same largest weight
+    frozen, MXFP4 base   1/2 + 1 per 32 inputs (a block's exponent), + the same largest weight
 
 shards: the data-parallel x context-parallel ranks (routed experts: the expert data-parallel
 ranks) with the distributed optimizer, else 1; `cpu_offload` keeps 1 - offload_fraction of
@@ -58,7 +59,7 @@ def stage_plan(inputs: PlanInputs, stage: int) -> MemoryPlan:
     activations = (stage_activation_elements(inputs, stage) + embedding_elements(inputs, stage)) * width
     return MemoryPlan(
         stage=stage, parameters=params,
-        weights=(params.total - params.quantized) * width + params.code_bytes + params.scales * 4
+        weights=(params.total - params.quantized) * width + params.code_bytes + params.scale_bytes
         + params.largest_quantized * width,
         gradients=params.trainable * 4, optimizer=optimizer_bytes(inputs, params),
         activations=int(activations),

@@ -33,18 +33,18 @@ class ParameterCount:
     experts: int = 0
     frozen: int = 0
     # LoRA over a quantized base (lora/quantized_base.py): the frozen weights held as codes, the
-    # codes' bytes (fp8: 1 a weight, nf4: 1/2), their fp32 scales (fp8: one a row, nf4: one per
-    # 64 inputs; buffers, not parameters), and the largest weight (a linear, or a layer's
-    # [E, out, in] experts block) dequantized for one call
+    # codes' bytes (fp8: 1 a weight, nf4 and mxfp4: 1/2), their scales' bytes (fp8: an fp32 one a
+    # row, nf4: an fp32 one per 64 inputs, mxfp4: a byte per 32; buffers, not parameters), and the
+    # largest weight (a linear, or a layer's [E, out, in] experts block) dequantized for one call
     quantized: int = 0
     code_bytes: int = 0
-    scales: int = 0
+    scale_bytes: int = 0
     largest_quantized: int = 0
 
     def __add__(self, other: "ParameterCount") -> "ParameterCount":
         return ParameterCount(self.dense + other.dense, self.experts + other.experts, self.frozen + other.frozen,
                               self.quantized + other.quantized, self.code_bytes + other.code_bytes,
-                              self.scales + other.scales, max(self.largest_quantized, other.largest_quantized))
+                              self.scale_bytes + other.scale_bytes, max(self.largest_quantized, other.largest_quantized))
 
     @property
     def trainable(self) -> int:
@@ -124,7 +124,8 @@ def _quantized(inputs: PlanInputs, blocks: list) -> ParameterCount:
         return ParameterCount()
     weights = sum(e * o * i for e, o, i, _ in blocks)
     return ParameterCount(quantized=weights, code_bytes=int(weights * codec.code_bytes),
-                          scales=sum(e * o * (i // codec.block if codec.block else 1) for e, o, i, _ in blocks),
+                          scale_bytes=codec.scale_bytes * sum(e * o * (i // codec.block if codec.block else 1)
+                                                              for e, o, i, _ in blocks),
                           largest_quantized=max((e * o * i for e, o, i, _ in blocks), default=0))
 
 
