@@ -187,7 +187,7 @@ def test_a_tensor_parallel_shard_that_splits_a_block_is_refused_before_launch():
     assert refused.value.options == ("expert_tensor_parallel_size",)
 
 
-@pytest.mark.parametrize("name", ["fp8", "nf4"])
+@pytest.mark.parametrize("name", ["fp8", "nf4", "mxfp4"])
 def test_dequantizing_a_few_rows_at_a_time_gives_the_one_call_values(name, monkeypatch):
     """A weight is dequantized in chunks of rows (bounded fp32 intermediates): an experts block
     [E, out, in] chunked into 3 rows at a time, rows crossing expert boundaries, equals the codec's

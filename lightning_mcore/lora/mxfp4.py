@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from lightning_mcore.hf.mxfp4 import FP4_VALUES
+from lightning_mcore.lora.blocks import as_blocks
 
 BLOCK = 32
 MAX = 6.0  # the largest E2M1 magnitude
@@ -35,11 +36,7 @@ MIDPOINTS = tuple((a + b) / 2 for a, b in zip(MAGNITUDES, MAGNITUDES[1:]))
 def quantize_blocks(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of `weight` [..., out, in], `in` a multiple of 32. `group` is unused: a
     block lies within one shard's row (the same signature as FP8's per-row codec)."""
-    *lead, inp = weight.shape
-    if inp % BLOCK:
-        raise ValueError(f"MXFP4 blocks of {BLOCK} need an input width that is a multiple of {BLOCK}, "
-                         f"got {inp}")
-    w = weight.detach().float().reshape(*lead, inp // BLOCK, BLOCK)
+    w = as_blocks(weight, BLOCK, "MXFP4")
     amax = w.abs().amax(dim=-1, keepdim=True)
     mantissa, exponent = torch.frexp(amax / MAX)  # amax / 6 = m 2^x, m in [0.5, 1)
     e = torch.where(mantissa == 0.5, exponent - 1, exponent)  # ceil(log2(amax / 6))
@@ -51,7 +48,7 @@ def quantize_blocks(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, tor
     tie &= scaled == mids[index.clamp(max=len(MIDPOINTS) - 1)]
     index = index + tie.long()  # ties to the even code
     codes = (index + 8 * ((w < 0) & (index > 0)).long()).to(torch.uint8)  # the sign bit; zero stays +0
-    return pack(codes.reshape(*lead, inp)), (e + 127).to(torch.uint8).squeeze(-1)
+    return pack(codes.reshape(weight.shape)), (e + 127).to(torch.uint8).squeeze(-1)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_mcore.lora.blocks import as_blocks
+
 BLOCK = 64
 # bitsandbytes' NF4 codebook (csrc/kernels.cu nf4_dequantization_lut; functional.py get_4bit_type)
 CODEBOOK = (
@@ -40,18 +42,14 @@ def _values(device) -> torch.Tensor:
 def quantize_blocks(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of `weight` [..., out, in], `in` a multiple of 64. `group` is unused: a
     block lies within one shard's row (the same signature as FP8's per-row codec)."""
-    *lead, inp = weight.shape
-    if inp % BLOCK:
-        raise ValueError(f"NF4 blocks of {BLOCK} need an input width that is a multiple of {BLOCK}, "
-                         f"got {inp}")
-    w = weight.detach().float().reshape(*lead, inp // BLOCK, BLOCK)
+    w = as_blocks(weight, BLOCK, "NF4")
     absmax = w.abs().amax(dim=-1, keepdim=True)
     scales = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # an all-zero block: codes of 0.0
     values = _values(weight.device)
     # the nearest codebook value: its index is the number of midpoints below x / absmax (a tie
     # goes to the lower value, as bitsandbytes' `x > midpoint` decision tree sends it)
     index = torch.bucketize(w / scales, (values[1:] + values[:-1]) / 2, out_int32=True).to(torch.uint8)
-    return pack(index.reshape(*lead, inp)), scales.squeeze(-1)
+    return pack(index.reshape(weight.shape)), scales.squeeze(-1)
 
 
 def pack(index: torch.Tensor) -> torch.Tensor:
