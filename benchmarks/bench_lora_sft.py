@@ -128,11 +128,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --recompute-selective, e.g. core_attn,mlp,layernorm")
     ap.add_argument("--optimizer-offload", type=float, default=0.0, metavar="FRACTION",
                     help="share of Adam's state (and update) in CPU memory; 0: off")
-    ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8", "nf4"],
+    ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8", "nf4", "mxfp4"],
                     help="LoRAConfig.base_precision: how the frozen base that LoRA adapts is held")
     ap.add_argument("--impl", default="auto", choices=["auto", "local"],
-                    help="GPTConfig.transformer_impl (local: mcore's own linears, SDPA attention; what an fp8 or "
-                         "nf4 base needs)")
+                    help="GPTConfig.transformer_impl (local: mcore's own linears, SDPA attention; what an fp8, "
+                         "nf4 or mxfp4 base needs)")
     ap.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
                     help="cap torch's allocator at this much memory per GPU (an 80 GB H100 on an H200: 79; "
                          "torch.cuda.set_per_process_memory_fraction, which leaves the CUDA context and NCCL out)")
@@ -161,7 +161,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.layers is not None and args.layers < 1:
         ap.error("--layers must be >= 1")
     if args.base_precision != "bf16" and (args.full or args.impl != "local"):
-        ap.error("--base-precision fp8/nf4 is LoRA over mcore's local layers: drop --full, add --impl local")
+        ap.error("--base-precision fp8/nf4/mxfp4 is LoRA over mcore's local layers: drop --full, add --impl local")
     return args
 
 

@@ -16,10 +16,14 @@
 #          then ours (nf4 base) against HF + peft + bitsandbytes QLoRA, Llama-3-8B shape, one GPU each at
 #          the same time, then again with the GPUs swapped
 #   bg30   4 GPUs: both 30B runs above at once (fp8 on GPU $FP8_GPU, default 0; bf16 at EP=2 on $EP2_GPUS, default
-#          2,3), all 200 steps, started in a new session (setsid) so that they outlive the call; logs in $BG
+#          2,3), all 200 steps, started in a new session (setsid) so that they outlive the call; logs in $BG;
+#          with CONTROL_GPU set, on that GPU the control of the FP8 run's loss margin: the bf16 base on mcore's
+#          local layers on one GPU, uncapped (what separates the FP8 base from the layers and the layout)
 #   eight  one GPU ($GPU, default 1): the 8B bases of one30, then HF + peft + bitsandbytes QLoRA on the same GPU
 #   qlora  one GPU ($GPU, default 1): HF + peft + bitsandbytes QLoRA, then ours with the nf4 base (eight's pair in the
 #          other order)
+#   gptoss one GPU ($GPU, default 1): 4 layers of GPT-OSS-20B (its 201k vocabulary), LoRA r16 on every linear, mcore's
+#          local layers: the base in bf16, then MXFP4 (the format its experts are published in), then NF4
 #   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies what they wrote to $OUT
 #   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
 #          (steps 2-4) written to $OUT/${TAG}_grow_fp8_snapshot.pickle; with recompute and nf4 on GPU 1
@@ -78,7 +82,12 @@ case $stage in
     one=$!
     job bf16-ep2 "${EP2_GPUS:-2,3}" 1600 torchrun --standalone --nproc-per-node 2 $LORA30 --ep 2 &
     two=$!
-    wait $one $two
+    three=""
+    if [ -n "${CONTROL_GPU:-}" ]; then
+      job bf16-local-1gpu "$CONTROL_GPU" 1600 python $LORA30 --impl local &
+      three=$!
+    fi
+    wait $one $two $three
     touch "$OUT/done"
     exit 0 ;;
   eight)
@@ -90,6 +99,12 @@ case $stage in
     g=${GPU:-1}
     job hf-qlora-2 "$g" 110 python $QLORA8B
     job ours-nf4-2 "$g" 110 python $LORA8B --impl local --base-precision nf4 ;;
+  gptoss)
+    g=${GPU:-1}
+    for p in bf16 mxfp4 nf4; do
+      job "gptoss-$p" "$g" 150 python benchmarks/bench_lora_sft.py --shape gpt-oss-20b-layers --experts torch --rank 16 \
+        --alpha 32 --samples-per-row 1 --gbs 8 --steps 10 --losses --impl local --base-precision $p
+    done ;;
   collect)
     for _ in $(seq "${WAIT:-540}"); do [ -f "$BG/done" ] && break; sleep 1; done
     [ -f "$BG/done" ] || echo "collect: the 30B runs are still going; copying what they wrote so far"
@@ -105,6 +120,6 @@ case $stage in
       job grow-nf4 1 120 python $G --base-precision nf4 ) &
     other=$!
     wait $one $other ;;
-  *) echo "unknown stage $stage (one30, ep2, bg30, eight, qlora, collect, grow)"; exit 2 ;;
+  *) echo "unknown stage $stage (one30, ep2, bg30, eight, qlora, gptoss, collect, grow)"; exit 2 ;;
 esac
 cut -c1-300 "$JSONL" | grep -v '"STEP"' ; grep -h -i "error\|Traceback\|memory:" "$OUT/${TAG}_${stage}"_*.log | tail -8
