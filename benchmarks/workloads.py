@@ -193,7 +193,8 @@ WORKLOADS = (
         what="16 layers of Qwen3-30B-A3B (all 128 experts), full fine-tuning, seq 4096, global batch 8, random "
              "tokens; ours at EP=2 (micro batch 2, torch's experts, the fusions, no recompute) against "
              "transformers' model (its grouped_mm experts) under FSDP2 at its sweep's fastest: compiled, "
-             "checkpointed, micro batch 4 (same machine and call, not interleaved)",
+             "checkpointed, micro batch 4 (the same machine 8 minutes later, not interleaved; other jobs ran on the "
+             "machine's other two GPUs during both)",
         device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0", unit="tokens/s/GPU",
         ours=Side("lightning-mcore, EP=2", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh pair30",
                   Reading(("2026-11-28/s28_pair30.jsonl",), TOKENS, {"label": "ours-ep2"})),
