@@ -3,8 +3,7 @@
 References, each computed here independently of the codec:
   - the OCP MXFP4 format by hand: per block of 32 inputs the smallest power of two 2^e with
     amax <= 6 * 2^e (found by search), each element the nearest E2M1 value (a tie to the even
-    code); decoding as transformers decodes GPT-OSS's blocks (hf/mxfp4.py, itself checked
-    against transformers' own function in test_family_gpt_oss.py);
+    code); the codes decode as transformers' own function decodes GPT-OSS's blocks;
   - weights that are MXFP4 already (random published-style blocks and scales) come back with the
     same values, bit for bit;
   - a model's loss and adapter gradients equal a bf16 model's whose base is the hand-dequantized
@@ -21,13 +20,20 @@ import torch
 from safetensors.torch import load_file
 
 from hf_models import hf_logits, make_hf_model
-from lightning_mcore.hf.mxfp4 import dequantize as published_dequantize
 from lightning_mcore.lora import mxfp4
 from lightning_mcore.lora.config import LoRAConfig
 from test_family_gpt_oss import quantize_experts
 from test_lora import TOKENS
 from test_lora_fp8_base import EXPERTS, computes_with_the_codes_and_saves_no_weight, train
 from toy import tiny_config
+
+def published_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """transformers' decoding of GPT-OSS's MXFP4 blocks [E, out, G, 16] and scales [E, out, G]:
+    [E, in, out] in fp32."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
@@ -66,8 +72,8 @@ def test_codec_is_ocp_mxfp4_by_hand():
     assert got[3, :7].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
     assert got[4, 0] == 8.0 and torch.equal(got[5, 96:], torch.zeros(32))
     # decoded as GPT-OSS's published blocks are: [out, G, 16] bytes, the first element in the low nibble
-    published = published_dequantize(codes.reshape(6, 4, 16), scales)  # [in, out]
-    torch.testing.assert_close(published.t(), got, rtol=0, atol=0)
+    published = published_dequantize(codes.reshape(1, 6, 4, 16), scales[None])  # [1, in, out]
+    torch.testing.assert_close(published[0].t(), got, rtol=0, atol=0)
     index = torch.randint(0, 16, (3, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     assert torch.equal(mxfp4.pack(index), index[:, 0::2] + 16 * index[:, 1::2])
     assert torch.equal(mxfp4.unpack(mxfp4.pack(index)), index)

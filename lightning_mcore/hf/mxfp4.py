@@ -3,7 +3,9 @@ tensor X is stored as X_blocks [..., out, G, 16] (uint8, two 4-bit E2M1 values p
 nibble first) and X_scales [..., out, G] (uint8 E8M0 exponents, bias 127), one scale per block
 of 32 values along the input dimension. Dequantized as transformers does
 (integrations/mxfp4.py), into [..., in, out]: every value is a 4-bit value times a power of two,
-exact in bfloat16 and float32. We train and export the dequantized weights (bf16), not MXFP4.
+exact in bfloat16 and float32 (the decoding is lora/mxfp4.py's, the codec LoRA holds a base in).
+We train and export the dequantized weights (bf16), not MXFP4; LoRA with base_precision "mxfp4"
+holds the frozen ones as MXFP4 again, with the same values.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from typing import Optional
 import torch
 
 from lightning_mcore.hf.checkpoint import CheckpointError
+from lightning_mcore.lora.mxfp4 import dequantize_blocks
 
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCKS, SCALES = "_blocks", "_scales"
 
 
@@ -24,10 +26,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise CheckpointError(f"MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) and scales "
                               f"{list(scales.shape)} ({scales.dtype}) do not match: expected uint8 "
                               f"[..., out, G, B] and [..., out, G].")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
-    values = torch.ldexp(values.flatten(-2), (scales.to(torch.int32) - 127).unsqueeze(-1))
-    return values.flatten(-2).transpose(-1, -2)
+    return dequantize_blocks(blocks.flatten(-2), scales, torch.float32).transpose(-1, -2)
 
 
 class MXFP4Reader:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from lightning_mcore.hf.mxfp4 import FP4_VALUES
 from lightning_mcore.lora.blocks import as_blocks
 
 BLOCK = 32
+# the 16 E2M1 values by code: the sign bit, then 2 exponent bits and 1 mantissa bit
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MAX = 6.0  # the largest E2M1 magnitude
 # the E2M1 magnitudes (codes 0-7) and the midpoints between neighbours
 MAGNITUDES = FP4_VALUES[:8]
