@@ -9,7 +9,9 @@ things its ranks need.
   is frozen out of the collector (gc.freeze) while the ranks run. Among it may be a torch
   process group of an earlier run in the same process (a notebook, a test session) whose
   destructor joins threads that did not come across the fork: a forked rank that collected
-  one hung for good in std::thread::join. The ranks also skip walking the inherited heap.
+  one hung for good in std::thread::join. The ranks also skip walking the inherited heap. For the
+  same reason mcore's rotary-embedding caches, which hold groups in their keys, are emptied
+  first (strategy/teardown.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
 from lightning_mcore.refusals import report_in_rank
+from lightning_mcore.strategy.teardown import clear_rotary_caches
 
 
 class MultiprocessingLauncher(_MultiProcessingLauncher):
@@ -36,6 +39,7 @@ class MultiprocessingLauncher(_MultiProcessingLauncher):
             function = functools.partial(report_in_rank, reports, trainer, function)
         forking = self._start_method == "fork"  # spawned ranks start with a heap of their own
         if forking:
+            clear_rotary_caches()  # nor inherit cached references to this process's groups
             gc.freeze()
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
