@@ -28,7 +28,9 @@ def clear_rotary_caches() -> None:
     the launching process, whose destructor joins threads that did not come across the fork: the
     rank hung for good in ~ProcessGroupGloo (a CI run of session 28)."""
     for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
-        for value in vars(module).values():
+        for value in vars(module).values():  # the module's own classes' methods and functions
+            if getattr(value, "__module__", None) != module.__name__:
+                continue
             for attr in vars(value).values() if isinstance(value, type) else (value,):
                 if callable(getattr(attr, "cache_clear", None)):
                     attr.cache_clear()
