@@ -31,6 +31,14 @@ MAX = 6.0  # the largest E2M1 magnitude
 # the E2M1 magnitudes (codes 0-7) and the midpoints between neighbours
 MAGNITUDES = FP4_VALUES[:8]
 MIDPOINTS = tuple((a + b) / 2 for a, b in zip(MAGNITUDES, MAGNITUDES[1:]))
+# 2^e for the exponents an E8M0 scale holds (-127 .. 127), exact in fp32 (2^-127 is subnormal): a
+# table lookup, not pow/ldexp, whose device kernels need not be exact
+POW2 = tuple(2.0 ** e for e in range(-127, 128))
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e, fp32, for integer exponents e in [-127, 127]."""
+    return torch.tensor(POW2, dtype=torch.float32, device=e.device)[(e + 127).long()]
 
 
 @torch.no_grad()
@@ -42,7 +50,7 @@ def quantize_blocks(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, tor
     mantissa, exponent = torch.frexp(amax / MAX)  # amax / 6 = m 2^x, m in [0.5, 1)
     e = torch.where(mantissa == 0.5, exponent - 1, exponent)  # ceil(log2(amax / 6))
     e = torch.where(amax > 0, e, torch.full_like(e, -127)).clamp(-127, 127)
-    scaled = torch.ldexp(w, -e).abs().clamp(max=MAX)  # exact: a power of two
+    scaled = (w * pow2(-e)).abs().clamp(max=MAX)  # exact: a power of two
     mids = torch.tensor(MIDPOINTS, device=w.device)
     index = torch.bucketize(scaled, mids)  # a midpoint itself goes to the lower code
     tie = (index < len(MIDPOINTS)) & (index % 2 == 1)
@@ -65,5 +73,5 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """E2M1[code] * 2^(scale - 127) per block, exact in fp32, in `dtype`."""
     values = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)[unpack(codes).long()]
-    blocks = torch.ldexp(values.reshape(*scales.shape, BLOCK), (scales.to(torch.int32) - 127).unsqueeze(-1))
+    blocks = values.reshape(*scales.shape, BLOCK) * pow2(scales.to(torch.int32) - 127).unsqueeze(-1)
     return blocks.reshape(*codes.shape[:-1], -1).to(dtype)
