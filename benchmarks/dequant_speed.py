@@ -1,5 +1,5 @@
 """What turning a quantized LoRA base back into bf16 costs on one GPU (lora/quantized_base.py):
-milliseconds per dequantization of one layer's weights, for the fp8 and nf4 codecs, as the
+milliseconds per dequantization of one layer's weights, for each codec (fp8, nf4, mxfp4), as the
 library runs it (`dequantized`, eager, a few rows at a time) and as one fused kernel would
 (torch.compile of the codec's dequantize over the whole tensor), beside a bf16 GEMM of the same
 weight over one 4096-token micro batch (experts: its 8-of-128 routed rows, balanced).

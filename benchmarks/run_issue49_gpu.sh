@@ -22,7 +22,8 @@
 #   eight  one GPU ($GPU, default 1): the 8B bases of one30, then HF + peft + bitsandbytes QLoRA on the same GPU
 #   qlora  one GPU ($GPU, default 1): HF + peft + bitsandbytes QLoRA, then ours with the nf4 base (eight's pair in the
 #          other order)
-#   gptoss one GPU ($GPU, default 1): 4 layers of GPT-OSS-20B (its 201k vocabulary), LoRA r16 on every linear, mcore's
+#   gptoss one GPU ($GPU, default 1): dequant_speed.py (each codec's fused kernel against its eager ops, mxfp4's
+#          first time on a GPU), then 4 layers of GPT-OSS-20B (its 201k vocabulary), LoRA r16 on every linear, mcore's
 #          local layers: the base in bf16, then MXFP4 (the format its experts are published in), then NF4
 #   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies what they wrote to $OUT
 #   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
@@ -101,6 +102,7 @@ case $stage in
     job ours-nf4-2 "$g" 110 python $LORA8B --impl local --base-precision nf4 ;;
   gptoss)
     g=${GPU:-1}
+    job dequant "$g" 150 python benchmarks/dequant_speed.py
     for p in bf16 mxfp4 nf4; do
       job "gptoss-$p" "$g" 150 python benchmarks/bench_lora_sft.py --shape gpt-oss-20b-layers --experts torch --rank 16 \
         --alpha 32 --samples-per-row 1 --gbs 8 --steps 10 --losses --impl local --base-precision $p
