@@ -25,7 +25,8 @@
 #   gptoss one GPU ($GPU, default 1): dequant_speed.py (each codec's fused kernel against its eager ops, mxfp4's
 #          first time on a GPU), then 4 layers of GPT-OSS-20B (its 201k vocabulary), LoRA r16 on every linear, mcore's
 #          local layers: the base in bf16, then MXFP4 (the format its experts are published in), then NF4
-#   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies what they wrote to $OUT
+#   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies their raw lines to $OUT and their logs
+#          as one archive, ${TAG}_bg30_logs.tgz
 #   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
 #          (steps 2-4) written to $OUT/${TAG}_grow_fp8_snapshot.pickle; with recompute and nf4 on GPU 1
 # Raw lines (RESULT and STEP, each with its "label") go to $OUT/${TAG}_<stage>.jsonl, logs to
@@ -110,8 +111,12 @@ case $stage in
   collect)
     for _ in $(seq "${WAIT:-540}"); do [ -f "$BG/done" ] && break; sleep 1; done
     [ -f "$BG/done" ] || echo "collect: the 30B runs are still going; copying what they wrote so far"
-    cp "$BG"/*.log "$BG"/*.jsonl "$BG"/fg30.out "$OUT"/ 2>/dev/null
-    stage=fg30 JSONL=$OUT/${TAG}_fg30.jsonl ;;
+    # the raw lines as files, the logs in one archive (the device returns only a few files a call)
+    cp "$BG"/*.jsonl "$OUT"/ 2>/dev/null
+    tar czf "$OUT/${TAG}_bg30_logs.tgz" -C "$BG" . 2>/dev/null
+    JSONL=$OUT/${TAG}_fg30.jsonl
+    cut -c1-300 "$JSONL" | grep -v '"STEP"'; grep -h -i "error\|Traceback\|memory:" "$BG"/*.log | tail -8
+    exit 0 ;;
   grow)  # that a quantized base without recompute no longer grows (~25 GiB a step in session 27: a reference
          # cycle, fixed): 8 layers of the 8B shape, allocated memory after each step, the allocator's history
          # over steps 2-4 (fp8), then the same with recompute, then nf4
