@@ -10,8 +10,11 @@
 #   sweep30     HF + FSDP2, L30 (16) layers of Qwen3-30B-A3B, full FT: compiled and checkpointed at micro
 #               batch 1, 2, 4 (one process, ends at the first OOM), then compiled without checkpointing at 1,
 #               then eager and checkpointed at 2 (what compilation buys)
-#   pair30      ours at EP=NGPU (micro batch 2, permute and router fusions, torch's grouped GEMM) and HF at the
-#               sweep's fastest settings (HF30 to choose them), interleaved: ours, hf, ours, hf
+#   pair30      ours at EP=NGPU (micro batch 2, permute and router fusions, torch's grouped GEMM; OURS30_EXTRA: more
+#               bench_pretrain.py arguments, e.g. sweepours30's fastest) and HF at the sweep's fastest settings (HF30
+#               to choose them), interleaved: ours, hf, ours, hf
+#   sweepours30 ours as in pair30 at the largest micro batch up to 4 with selective, then full recompute, and at
+#               micro batch 1 (session 28 ran pair30 only at 2, where HF's best was at 4)
 #   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled at 1; compiled and checkpointed at 2, 4; eager at 1
 #   pair8b      ours TP=2 + SP, ours DP=NGPU (distributed optimizer), HF at the sweep's best (HF8B), interleaved
 #   sweeplora8b HF + FSDP2 + peft, LoRA r16 (alpha 32) on every linear, Llama-3-8B: compiled at 1, 2, 4;
@@ -115,7 +118,8 @@ ratios() { [ -z "${DRY_RUN:-}" ] && python benchmarks/issue47_summary.py ratios 
 A30="--shape qwen3-30b-a3b --layers $L30 --gbs $GBS"
 A8B="--shape llama-8b --gbs $GBS"
 LORA="--lora-rank 16 --lora-alpha 32 --data sft"
-OURS30="--impl lightning $A30 --ep $NGPU --mbs $(biggest 2) --set moe_permute_fusion=true --set moe_router_fusion=true --experts torch"
+OURS30="--impl lightning $A30 --ep $NGPU --mbs $(biggest 2) --set moe_permute_fusion=true --set moe_router_fusion=true --experts torch
+  ${OURS30_EXTRA:-}"
 OURS_LORA="--rank 16 --alpha 32 --samples-per-row 1 --gbs $GBS --steps 10"
 SWEEP="--steps 8 --warmup 3"
 PAIR="--steps 10 --warmup 4"
@@ -125,6 +129,10 @@ case $stage in
     hf sweep 200 $A30 $SWEEP --compile --ac --mbs "$(mbs_list 1 2 4)"
     hf sweep 150 $A30 $SWEEP --compile --mbs 1
     hf sweep 120 $A30 $SWEEP --ac --mbs "$(biggest 2)" ;;
+  sweepours30)
+    ours sweep 120 bench_pretrain.py $OURS30 $SWEEP --mbs "$(biggest 4)" --recompute selective
+    ours sweep 120 bench_pretrain.py $OURS30 $SWEEP --mbs "$(biggest 4)" --recompute full
+    ours sweep 100 bench_pretrain.py $OURS30 $SWEEP --mbs 1 ;;
   pair30)
     HF30=${HF30:-$(best sweep30 "--mbs $(biggest 2) --ac --compile")}
     for k in 1 2; do

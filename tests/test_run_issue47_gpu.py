@@ -108,3 +108,22 @@ def test_lora30_stage_runs_the_seed_case_three_ways(gpus, tmp_path):
     assert (profiled.shape, profiled.layers, profiled.ep, profiled.rank, profiled.mbs, profiled.gbs, profiled.seq,
             profiled.alpha, profiled.samples_per_row) == (a.shape, a.layers, a.ep, a.rank, a.mbs, a.gbs, a.seq,
                                                           a.alpha, a.samples_per_row)
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_sweepours30_runs_ours_at_pair30s_shape(gpus, tmp_path):
+    """Ours only, pair30's model and batch, at other micro batches and recompute choices; OURS30_EXTRA
+    reaches pair30's side of ours."""
+    commands = dry_run("sweepours30", gpus, tmp_path)
+    assert [s for s, _ in commands] == ["bench_pretrain.py"] * 3
+    args = [a for _, a in commands]
+    assert [(a.mbs, a.recompute) for a in args] == [(min(4, 8 // gpus), "selective"), (min(4, 8 // gpus), "full"),
+                                                    (1, None)]
+    (_, pair), _ = dry_run("pair30", gpus, tmp_path)[:2]
+    for a in args:
+        assert (a.impl, a.shape, a.layers, a.ep, a.gbs, a.seq, a.experts) == \
+            ("lightning", pair.shape, pair.layers, gpus, pair.gbs, pair.seq, "torch")
+    (tmp_path / "extra").mkdir()
+    with mock.patch.dict(os.environ, {"OURS30_EXTRA": "--mbs 1 --recompute full"}):
+        (_, extra), _ = dry_run("pair30", gpus, tmp_path / "extra")[:2]
+    assert (extra.mbs, extra.recompute) == (1, "full")
