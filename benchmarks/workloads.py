@@ -229,7 +229,8 @@ WORKLOADS = (
         name="lora8b-nf4-qlora",
         what="Llama-3-8B shape, LoRA r16 on every linear over an NF4 base, one GPU, seq 4096, global batch 8, "
              "micro batch 1, no recompute; ours (mcore's local layers) against transformers + peft + "
-             "bitsandbytes QLoRA (NF4, double quantization); two runs each, one after the other on one GPU",
+             "bitsandbytes QLoRA (NF4, double quantization, eager, autocast bf16); two runs each, one after the other on "
+             "one GPU; HF not swept (micro batch 2-4 and torch.compile not tried)",
         device=H200, gpus=1, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0, bitsandbytes 0.50.2",
         unit="tokens/s/GPU",
         ours=Side("lightning-mcore, NF4 base", "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh eight; "
