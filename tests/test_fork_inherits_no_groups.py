@@ -44,3 +44,6 @@ def test_a_forked_rank_inherits_no_cached_rotary_group(tmp_path, monkeypatch):
     assert RotaryEmbedding.forward.cache_info().currsize == 1
     fit(tmp_path, devices=1, steps=1, gbs=2, mbs=2, callbacks=(CachedAtStart(tmp_path / "cached.json"),))
     assert json.loads((tmp_path / "cached.json").read_text()) == 0  # the launcher emptied it before forking
+    monkeypatch.undo()
+    teardown.clear_rotary_caches()  # this process keeps no entry of the test's either
+    assert RotaryEmbedding.forward.cache_info().currsize == 0
