@@ -25,11 +25,13 @@ PARSERS = {"hf_fsdp2.py": hf_fsdp2.parse_args, "bench_pretrain.py": bench_pretra
            "bench_lora_sft.py": bench_lora_sft.parse_args, "bench_vlm_sft.py": bench_vlm_sft.parse_args}
 
 
-def dry_run(stage: str, gpus: int, tmp_path: Path, one_gpu: tuple = ()) -> list[tuple[str, object]]:
-    """The stage's commands as (script, parsed arguments); `one_gpu`: scripts run as one process."""
+def dry_run(stage: str, gpus: int, tmp_path: Path, one_gpu: tuple = (),
+            script: str = "benchmarks/run_issue47_gpu.sh") -> list[tuple[str, object]]:
+    """The stage's commands of `script` as (script, parsed arguments); `one_gpu`: scripts run as one
+    process."""
     listing = tmp_path / f"{stage.replace(' ', '_')}_{gpus}.txt"
     env = {**os.environ, "DRY_RUN": str(listing), "NGPU": str(gpus), "OUT": str(tmp_path)}
-    done = subprocess.run(["bash", "benchmarks/run_issue47_gpu.sh", *stage.split()], cwd=ROOT, env=env,
+    done = subprocess.run(["bash", script, *stage.split()], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     commands = []
