@@ -95,6 +95,9 @@ _MOE30B_EP2 = (f"--shape qwen3-30b-a3b --layers 8 --ep 2 --gbs 8 --steps 14 --wa
                "--experts torch")
 _VLM = "/tmp/vl7b"
 _MOE_MODEL = "/tmp/moe_a3b_8l"
+# session 28's issue 49 runs: both 30B runs at once (4 GPUs), then their logs; the 8B bases and QLoRA, both orders
+_BG30 = "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh bg30; WAIT=900 bash benchmarks/run_issue49_gpu.sh collect"
+_QLORA = "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh eight; OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh qlora"
 _GRPO = f"CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model {_MOE_MODEL} --ep 1 --steps 3"
 
 
@@ -218,11 +221,9 @@ WORKLOADS = (
              "allocator capped at 78 GiB, as an 80 GB H100), mcore's local layers, full recompute, real text, "
              "seq 4096, global batch 2, 200 steps; against the bf16 base at EP=2 on 2 GPUs (the same rows)",
         device=H200, gpus=1, versions=KIT, unit="tokens/s/GPU",
-        ours=Side("lightning-mcore, FP8 base, 1 GPU",
-                  "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh bg30; WAIT=900 bash benchmarks/run_issue49_gpu.sh collect",
+        ours=Side("lightning-mcore, FP8 base, 1 GPU", _BG30,
                   Reading(("2026-11-28/s28_fg30.jsonl",), TOKENS, {"label": "fp8-1gpu", "line": "RESULT"})),
-        baseline=Side("lightning-mcore, bf16 base, EP=2 on 2 GPUs",
-                      "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh bg30; WAIT=900 bash benchmarks/run_issue49_gpu.sh collect",
+        baseline=Side("lightning-mcore, bf16 base, EP=2 on 2 GPUs", _BG30,
                       Reading(("2026-11-28/s28_fg30.jsonl",), TOKENS, {"label": "bf16-ep2", "line": "RESULT"})),
     ),
     Workload(
@@ -233,12 +234,10 @@ WORKLOADS = (
              "one GPU; HF not swept (micro batch 2-4 and torch.compile not tried)",
         device=H200, gpus=1, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0, bitsandbytes 0.50.2",
         unit="tokens/s/GPU",
-        ours=Side("lightning-mcore, NF4 base", "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh eight; "
-                                              "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh qlora",
+        ours=Side("lightning-mcore, NF4 base", _QLORA,
                   Reading(("2026-11-28/s28_eight.jsonl", "2026-11-28/s28_qlora.jsonl"), TOKENS,
                           {"label": ("8b-nf4-local", "ours-nf4-2"), "line": "RESULT"})),
-        baseline=Side("HF + peft + bitsandbytes QLoRA", "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh eight; "
-                                                        "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh qlora",
+        baseline=Side("HF + peft + bitsandbytes QLoRA", _QLORA,
                       Reading(("2026-11-28/s28_eight.jsonl", "2026-11-28/s28_qlora.jsonl"), TOKENS,
                               {"label": ("hf-qlora", "hf-qlora-2"), "line": "RESULT"})),
     ),
