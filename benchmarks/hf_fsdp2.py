@@ -138,8 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--dump takes one --mbs")
     if args.lora_rank is not None and args.lora_rank < 1:
         ap.error("--lora-rank must be >= 1")
-    if args.qlora and (world > 1 or args.lora_rank is None or args.compile or args.no_reshard):
-        ap.error("--qlora runs one process, needs --lora-rank, and takes neither --compile nor --no-reshard")
+    if args.qlora and (world > 1 or args.lora_rank is None or args.no_reshard):
+        ap.error("--qlora runs one process, needs --lora-rank, and does not take --no-reshard")
     return args
 
 
@@ -217,7 +217,10 @@ def build(shape: dict, seq: int, s: FsdpSettings, device: torch.device, mesh, se
     if s.qlora:
         from hf_qlora import build_qlora  # here: bitsandbytes only for --qlora
 
-        return build_qlora(shape, seq, s, device)
+        model = build_qlora(shape, seq, s, device)
+        for layer in decoder_layers(model) if s.compile else ():  # regional, as below (bitsandbytes >= 0.46 traces)
+            layer.forward = torch.compile(layer.forward, dynamic=False)
+        return model
     model = build_model(shape, seq, "fp32", "meta", experts=s.experts, attn=s.attn)
     std = model.config.initializer_range
     layers = decoder_layers(model)

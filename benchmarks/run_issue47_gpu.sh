@@ -189,7 +189,7 @@ case $stage in
     dir=$OUT/${TAG}_profile_$case_
     case $case_ in
       30b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py $OURS30 $P --profile
-           hf hf 150 $A30 $P $(best sweep30 "--mbs $(biggest 2) --ac --compile") --profile-dir "$dir/hf" ;;
+           hf hf 150 $A30 $P ${HF30:-$(best sweep30 "--mbs $(biggest 2) --ac --compile")} --profile-dir "$dir/hf" ;;
       8b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 \
             $P --profile
           hf hf 150 $A8B $P $(best sweep8b "--mbs 1 --compile") --profile-dir "$dir/hf" ;;

@@ -19,9 +19,13 @@
 #          2,3), all 200 steps, started in a new session (setsid) so that they outlive the call; logs in $BG;
 #          with CONTROL_GPU set, on that GPU the control of the FP8 run's loss margin: the bf16 base on mcore's
 #          local layers on one GPU, uncapped (what separates the FP8 base from the layers and the layout)
+#   control30  bg30's control alone, in a new session (session 28 ran the other two runs): the bf16 base on mcore's local
+#          layers on GPU $CONTROL_GPU (default 0), uncapped; `collect` waits for it as for bg30
 #   eight  one GPU ($GPU, default 1): the 8B bases of one30, then HF + peft + bitsandbytes QLoRA on the same GPU
 #   qlora  one GPU ($GPU, default 1): HF + peft + bitsandbytes QLoRA, then ours with the nf4 base (eight's pair in the
 #          other order)
+#   sweepqlora one GPU ($GPU, default 1): HF + peft + bitsandbytes QLoRA swept as issue 47 sweeps HF: eager at micro
+#          batch 1, 2, 4 (one process, ends at the first OOM), then each decoder layer compiled (torch.compile) at 1, 2, 4
 #   gptoss one GPU ($GPU, default 1): dequant_speed.py (each codec's fused kernel against its eager ops, mxfp4's
 #          first time on a GPU), then 4 layers of GPT-OSS-20B (its 201k vocabulary), LoRA r16 on every linear, mcore's
 #          local layers: the base in bf16, then MXFP4 (the format its experts are published in), then NF4
@@ -79,6 +83,15 @@ case $stage in
     OUT=$BG TIME_LIMIT=${TIME_LIMIT:-1500} setsid bash "$0" fg30 > "$BG/fg30.out" 2>&1 < /dev/null &
     echo "the 30B runs started in $BG"
     exit 0 ;;
+  control30)
+    mkdir -p "$BG"
+    OUT=$BG TIME_LIMIT=${TIME_LIMIT:-1500} setsid bash "$0" fgcontrol > "$BG/fgcontrol.out" 2>&1 < /dev/null &
+    echo "the control run started in $BG"
+    exit 0 ;;
+  fgcontrol)  # control30's run (in the foreground of its new session)
+    job bf16-local-1gpu "${CONTROL_GPU:-0}" 1600 python $LORA30 --impl local
+    touch "$OUT/done"
+    exit 0 ;;
   fg30)  # bg30's runs (in the foreground of its new session)
     job fp8-1gpu "${FP8_GPU:-0}" 1600 python $LORA30 --impl local --base-precision fp8 --memory-cap-gib 78 &
     one=$!
@@ -101,6 +114,10 @@ case $stage in
     g=${GPU:-1}
     job hf-qlora-2 "$g" 110 python $QLORA8B
     job ours-nf4-2 "$g" 110 python $LORA8B --impl local --base-precision nf4 ;;
+  sweepqlora)
+    g=${GPU:-1}
+    job hf-qlora-eager "$g" 300 python $QLORA8B --mbs 1,2,4  # the last --mbs counts
+    job hf-qlora-compiled "$g" 300 python $QLORA8B --mbs 1,2,4 --compile ;;
   gptoss)
     g=${GPU:-1}
     job dequant "$g" 150 python benchmarks/dequant_speed.py
@@ -127,6 +144,6 @@ case $stage in
       job grow-nf4 1 120 python $G --base-precision nf4 ) &
     other=$!
     wait $one $other ;;
-  *) echo "unknown stage $stage (one30, ep2, bg30, eight, qlora, gptoss, collect, grow)"; exit 2 ;;
+  *) echo "unknown stage $stage (one30, ep2, bg30, control30, eight, qlora, sweepqlora, gptoss, collect, grow)"; exit 2 ;;
 esac
 cut -c1-300 "$JSONL" | grep -v '"STEP"' ; grep -h -i "error\|Traceback\|memory:" "$OUT/${TAG}_${stage}"_*.log | tail -8
