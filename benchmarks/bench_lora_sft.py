@@ -130,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="share of Adam's state (and update) in CPU memory; 0: off")
     ap.add_argument("--base-precision", default="bf16", choices=["bf16", "fp8", "nf4", "mxfp4"],
                     help="LoRAConfig.base_precision: how the frozen base that LoRA adapts is held")
+    ap.add_argument("--base-gemm", default="bf16", choices=["bf16", "fp8"],
+                    help="LoRAConfig.base_gemm: an fp8 base dequantized into bf16 GEMMs, or multiplied by FP8 GEMMs")
     ap.add_argument("--impl", default="auto", choices=["auto", "local"],
                     help="GPTConfig.transformer_impl (local: mcore's own linears, SDPA attention; what an fp8, "
                          "nf4 or mxfp4 base needs)")
@@ -162,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--layers must be >= 1")
     if args.base_precision != "bf16" and (args.full or args.impl != "local"):
         ap.error("--base-precision fp8/nf4/mxfp4 is LoRA over mcore's local layers: drop --full, add --impl local")
+    if args.base_gemm == "fp8" and args.base_precision != "fp8":
+        ap.error("--base-gemm fp8 multiplies an FP8 base's codes: add --base-precision fp8")
     return args
 
 
@@ -194,7 +198,7 @@ def settings(args, cfg: GPTConfig, devices: int) -> dict:
         "recompute": "full" if args.recompute else "selective" if args.recompute_selective else None,
         "recompute_modules": args.recompute_modules, "optimizer_offload": args.optimizer_offload,
         "experts": args.experts if cfg.num_moe_experts else None, "base_precision": args.base_precision,
-        "impl": args.impl, "memory_cap_gib": args.memory_cap_gib, "data": args.data,
+        "base_gemm": args.base_gemm, "impl": args.impl, "memory_cap_gib": args.memory_cap_gib, "data": args.data,
     }
 
 
@@ -329,7 +333,7 @@ def main() -> None:
                         callbacks=[bench, MemoryPlanReport()])
     lora = None if args.full else LoRAConfig(target_modules="all-linear", rank=args.rank,
                                                  alpha=args.alpha or 2.0 * args.rank,
-                                                 base_precision=args.base_precision)
+                                                 base_precision=args.base_precision, base_gemm=args.base_gemm)
     module = SFTModule(cfg, optimizer_settings(args), lora=lora)
     rows = (PackedRows(args.gbs * args.steps, args.seq, cfg.vocab_size, args.samples_per_row)
             if args.data == "random" else RealTextRows(args.data, args.seq))

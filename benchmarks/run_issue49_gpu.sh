@@ -29,6 +29,10 @@
 #   gptoss one GPU ($GPU, default 1): dequant_speed.py (each codec's fused kernel against its eager ops, mxfp4's
 #          first time on a GPU), then 4 layers of GPT-OSS-20B (its 201k vocabulary), LoRA r16 on every linear, mcore's
 #          local layers: the base in bf16, then MXFP4 (the format its experts are published in), then NF4
+#   fp8gemm real FP8 GEMMs (LoRAConfig.base_gemm "fp8", lora/fp8_gemm.py): on GPU ${GPU:-0} their kernels against the
+#          hand computation (tests/test_gpu_lora_fp8_gemm.py), then Llama-3-8B LoRA r16 over the fp8 base dequantized into
+#          bf16 GEMMs and by FP8 GEMMs, 10 steps each; meanwhile one30's Qwen3-30B-A3B run (78 GiB cap, real text) for
+#          ${STEPS30:-50} steps by FP8 GEMMs on GPU ${GPU30:-1} and dequantized on GPU ${GPU30B:-2}: speed, and the loss step by step
 #   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies their raw lines to $OUT and their logs
 #          as one archive, ${TAG}_bg30_logs.tgz
 #   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
@@ -125,6 +129,17 @@ case $stage in
       job "gptoss-$p" "$g" 150 python benchmarks/bench_lora_sft.py --shape gpt-oss-20b-layers --experts torch --rank 16 \
         --alpha 32 --samples-per-row 1 --gbs 8 --steps 10 --losses --impl local --base-precision $p
     done ;;
+  fp8gemm)
+    g=${GPU:-0} n=${STEPS30:-50}
+    job fp8gemm-30b ${GPU30:-1} 500 python $LORA30 --impl local --base-precision fp8 --base-gemm fp8 --memory-cap-gib 78 --steps $n &
+    one=$!
+    job bf16gemm-30b ${GPU30B:-2} 500 python $LORA30 --impl local --base-precision fp8 --memory-cap-gib 78 --steps $n &
+    two=$!
+    job gpu-test "$g" 150 python -c 'import sys; sys.path[:0] = ["tests"]; import test_gpu_lora_fp8_gemm as t
+for n in [n for n in vars(t) if n.startswith("test_")]: getattr(t, n)(); print("passed", n)'
+    job 8b-fp8-bf16gemm "$g" 110 python $LORA8B --impl local --base-precision fp8
+    job 8b-fp8-fp8gemm "$g" 110 python $LORA8B --impl local --base-precision fp8 --base-gemm fp8
+    wait $one $two ;;
   collect)
     for _ in $(seq "${WAIT:-540}"); do [ -f "$BG/done" ] && break; sleep 1; done
     [ -f "$BG/done" ] || echo "collect: the 30B runs are still going; copying what they wrote so far"
@@ -144,6 +159,6 @@ case $stage in
       job grow-nf4 1 120 python $G --base-precision nf4 ) &
     other=$!
     wait $one $other ;;
-  *) echo "unknown stage $stage (one30, ep2, bg30, control30, eight, qlora, sweepqlora, gptoss, collect, grow)"; exit 2 ;;
+  *) echo "unknown stage $stage (one30, ep2, bg30, control30, eight, qlora, sweepqlora, gptoss, fp8gemm, collect, grow)"; exit 2 ;;
 esac
 cut -c1-300 "$JSONL" | grep -v '"STEP"' ; grep -h -i "error\|Traceback\|memory:" "$OUT/${TAG}_${stage}"_*.log | tail -8

@@ -66,6 +66,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_mcore.lora.config import TARGETS, LoRAConfig, LoRAError, adapts_experts, resolve_targets
+from lightning_mcore.lora.fp8_gemm import use_fp8_gemm
 from lightning_mcore.lora.grouped import expert_weights, grouped_hook, is_grouped_linear
 from lightning_mcore.lora.quantized_base import CODECS, Codec, QuantizationError, merge, quantize_module, unmerge
 from lightning_mcore.model.torch_experts import TorchGroupedMLP
@@ -253,7 +254,9 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig, seed: int) -
             embedding.register_forward_hook(_embeddings_require_grad)
     if lora.experts and chunks and not chunks[0].config.num_moe_experts:
         raise LoRAError("LoRA experts=True, but the model has no MoE experts; leave experts unset.")
-    return quantize_bases(chunks, CODECS[lora.base_precision]) if lora.base_precision in CODECS else {}
+    if lora.base_precision not in CODECS:
+        return {}
+    return quantize_bases(chunks, CODECS[lora.base_precision], fp8_gemm=lora.base_gemm == "fp8")
 
 
 def _embeddings_require_grad(module, args, output):
@@ -269,10 +272,10 @@ def _embeddings_require_grad(module, args, output):
     return output
 
 
-def quantize_bases(chunks, codec: Codec = CODECS["fp8"]) -> dict[str, float]:
-    """Hold every adapted base weight as `codec`'s codes (lora/quantized_base.py); returns the
-    relative Frobenius error against the loaded weights per kind ('linear_qkv',
-    'experts.linear_fc1', ...), over all ranks (collective)."""
+def quantize_bases(chunks, codec: Codec = CODECS["fp8"], fp8_gemm: bool = False) -> dict[str, float]:
+    """Hold every adapted base weight as `codec`'s codes (lora/quantized_base.py), multiplied by FP8
+    GEMMs with `fp8_gemm` (lora/fp8_gemm.py); returns the relative Frobenius error against the
+    loaded weights per kind ('linear_qkv', 'experts.linear_fc1', ...), over all ranks (collective)."""
     errors: dict[str, QuantizationError] = {}
     done: set = set()
     for name, adapter, model in adapters_of(chunks):
@@ -294,6 +297,8 @@ def quantize_bases(chunks, codec: Codec = CODECS["fp8"]) -> dict[str, float]:
                 params = [getattr(e, short).weight for e in experts.local_experts]
                 block = torch.stack([p.detach() for p in params])
                 record = quantize_module(experts, short, params, block, group, codec)
+                if fp8_gemm:
+                    use_fp8_gemm(experts, record, group, experts_linear=short)
                 done.update(id(p) for p in params)
                 errors.setdefault(kind, QuantizationError()).add(block, record)
             elif is_grouped_linear(module):
@@ -302,6 +307,8 @@ def quantize_bases(chunks, codec: Codec = CODECS["fp8"]) -> dict[str, float]:
             else:
                 original = weight.detach().clone()
                 record = quantize_module(module, "weight", [weight], original, group, codec)
+                if fp8_gemm:
+                    use_fp8_gemm(module, record, group)
                 done.add(id(weight))
                 errors.setdefault(kind, QuantizationError()).add(original, record)
     return _relative_errors(errors)

@@ -70,6 +70,11 @@ class LoRAConfig:
     # inputs; GPT-OSS's published experts keep their values exactly), dequantized per call:
     # lora/quantized_base.py, lora/nf4.py, lora/mxfp4.py.
     base_precision: Literal["bf16", "fp8", "nf4", "mxfp4"] = "bf16"
+    # How an FP8 base's forward multiplies: "bf16" (dequantized into the model's dtype per call; the
+    # values are exactly the codes') or "fp8" (FP8 GEMMs on the codes, the input rounded to e4m3
+    # per token: FP8 tensor cores, compute capability 8.9+; lora/fp8_gemm.py). Input gradients are
+    # exact for the dequantized weight either way.
+    base_gemm: Literal["bf16", "fp8"] = "bf16"
 
     def __post_init__(self) -> None:
         if self.base_precision not in ("bf16", "fp8", "nf4", "mxfp4"):
@@ -78,6 +83,12 @@ class LoRAConfig:
                 f"(the base as loaded), 'fp8' (e4m3 codes, a scale per output row), 'nf4' "
                 f"(4-bit NormalFloat codes, a scale per 64 inputs) or 'mxfp4' (E2M1 codes, a "
                 f"power-of-two scale per 32 inputs).")
+        if self.base_gemm not in ("bf16", "fp8"):
+            raise LoRAError(f"LoRA base_gemm {self.base_gemm!r} is not supported: use 'bf16' (the base "
+                            f"dequantized into the model's GEMMs) or 'fp8' (FP8 GEMMs on an FP8 base's codes).")
+        if self.base_gemm == "fp8" and self.base_precision != "fp8":
+            raise LoRAError(f"LoRA base_gemm='fp8' multiplies FP8 codes, but base_precision is "
+                            f"{self.base_precision!r}: set base_precision='fp8', or base_gemm='bf16'.")
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise LoRAError(f"LoRA rank must be a positive int, got {self.rank!r}.")
         if not 0.0 <= self.dropout < 1.0:

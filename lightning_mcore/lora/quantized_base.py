@@ -43,6 +43,10 @@ scales are non-persistent buffers of the owning module (they move with it, are n
 the base comes from the HF checkpoint). Merging (set_merged: merged export, generation) gives
 the parameter real data W' + scale B A; unmerging puts the placeholder back.
 
+With LoRAConfig.base_gemm "fp8" (lora/fp8_gemm.py) an FP8 base skips the dequantization in the
+forward: the owner's GEMM reads the codes and scales themselves (`direct`), and only its
+backward dequantizes, for the exact input gradient.
+
 Transformer Engine (GPU, not done yet: LoRA's plan check refuses fp8 and nf4 with TE layers) can
 plug into the same record: its Linear / LayerNormLinear read `self.weight` (TEGroupedLinear:
 `weight<e>`) in forward, so the same pre-hook / placeholder / saved-tensor hooks work for a
@@ -158,6 +162,7 @@ class QuantizedWeights:
     shape: tuple  # of the codes: [out, in] or [E, out, in] (nf4, mxfp4: in / 2)
     codec: Codec = CODECS["fp8"]
     merged: bool = False  # the params hold real data (set_merged), the hooks leave them be
+    direct: bool = False  # the owner computes with the codes themselves (lora/fp8_gemm.py): no values per call
     live: list = field(default_factory=list)  # the materialisations of calls in progress
 
     @property
@@ -233,7 +238,7 @@ def _pre_hook(record: QuantizedWeights):
     leaves them pushed: the step fails anyway)."""
 
     def hook(module, args):
-        if record.merged:
+        if record.merged or record.direct:
             return
         call = _CallHooks(record, record.materialize())
         call.context.__enter__()

@@ -120,9 +120,12 @@ def grouped_lora_update(adapter, x: torch.Tensor, offsets: torch.Tensor) -> torc
 class TorchGroupedMLP(SequentialMLP):
     """A SequentialMLP computed as two grouped GEMMs whose group offsets stay on the device.
     `lora_adapters` ({"linear_fc1": adapter, ...}, set by lora/adapters.py; not submodules, the
-    adapters live in the model's LoRA dict): each adds its update to its GEMM's output."""
+    adapters live in the model's LoRA dict): each adds its update to its GEMM's output.
+    `base_gemms` (same keys, set by lora/fp8_gemm.py): a GEMM of the frozen base's own (its FP8
+    codes) that replaces the grouped GEMM on the weights while it is `active`."""
 
     lora_adapters: dict = {}
+    base_gemms: dict = {}  # {"linear_fc1": gemm}: a frozen base's own GEMM where `gemm.active` (lora/fp8_gemm.py)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -143,7 +146,11 @@ class TorchGroupedMLP(SequentialMLP):
         """The experts' `name` linear on their rows, plus each row's expert bias (`rows`: the
         expert of each row; fc2's bias scaled by the router probability `probs`, as mcore's
         experts add it: p * (W2 act + b2) with the activation already scaled)."""
-        out = GroupedExpertLinear.apply(x, offsets, *[getattr(e, name).weight for e in self.local_experts])
+        gemm = self.base_gemms.get(name)
+        if gemm is not None and gemm.active:
+            out = gemm(x, offsets)
+        else:
+            out = GroupedExpertLinear.apply(x, offsets, *[getattr(e, name).weight for e in self.local_experts])
         adapter = self.lora_adapters.get(name)
         if adapter is not None and adapter.enabled and not adapter.merged:
             out = out + grouped_lora_update(adapter, x, offsets).to(out.dtype)
