@@ -31,7 +31,7 @@
 #          local layers: the base in bf16, then MXFP4 (the format its experts are published in), then NF4
 #   fp8gemm real FP8 GEMMs (LoRAConfig.base_gemm "fp8", lora/fp8_gemm.py): on GPU ${GPU:-0} their kernels against the
 #          hand computation (tests/test_gpu_lora_fp8_gemm.py), then Llama-3-8B LoRA r16 over the fp8 base dequantized into
-#          bf16 GEMMs and by FP8 GEMMs, 10 steps each; meanwhile one30's Qwen3-30B-A3B run (78 GiB cap, real text) for
+#          bf16 GEMMs, and by FP8 GEMMs on GPU ${GPU8B:-3} at the same time, 10 steps each; meanwhile one30's Qwen3-30B-A3B run (78 GiB cap, real text) for
 #          ${STEPS30:-50} steps by FP8 GEMMs on GPU ${GPU30:-1} and dequantized on GPU ${GPU30B:-2}: speed, and the loss step by step
 #   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies their raw lines to $OUT and their logs
 #          as one archive, ${TAG}_bg30_logs.tgz
@@ -137,9 +137,11 @@ case $stage in
     two=$!
     job gpu-test "$g" 150 python -c 'import sys; sys.path[:0] = ["tests"]; import test_gpu_lora_fp8_gemm as t
 for n in [n for n in vars(t) if n.startswith("test_")]: getattr(t, n)(); print("passed", n)'
-    job 8b-fp8-bf16gemm "$g" 110 python $LORA8B --impl local --base-precision fp8
-    job 8b-fp8-fp8gemm "$g" 110 python $LORA8B --impl local --base-precision fp8 --base-gemm fp8
-    wait $one $two ;;
+    job 8b-fp8-bf16gemm "$g" 110 python $LORA8B --impl local --base-precision fp8 &
+    three=$!
+    job 8b-fp8-fp8gemm "${GPU8B:-3}" 110 python $LORA8B --impl local --base-precision fp8 --base-gemm fp8 &
+    four=$!
+    wait $one $two $three $four ;;
   collect)
     for _ in $(seq "${WAIT:-540}"); do [ -f "$BG/done" ] && break; sleep 1; done
     [ -f "$BG/done" ] || echo "collect: the 30B runs are still going; copying what they wrote so far"
