@@ -33,6 +33,7 @@
 #          hand computation (tests/test_gpu_lora_fp8_gemm.py), then Llama-3-8B LoRA r16 over the fp8 base dequantized into
 #          bf16 GEMMs, and by FP8 GEMMs on GPU ${GPU8B:-3} at the same time, 10 steps each; meanwhile one30's Qwen3-30B-A3B run (78 GiB cap, real text) for
 #          ${STEPS30:-50} steps by FP8 GEMMs on GPU ${GPU30:-1} and dequantized on GPU ${GPU30B:-2}: speed, and the loss step by step
+#   fp8check fp8gemm's kernel test, then its two 8B runs profiled side by side on two GPUs
 #   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies their raw lines to $OUT and their logs
 #          as one archive, ${TAG}_bg30_logs.tgz
 #   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
@@ -59,6 +60,8 @@ LORA30="benchmarks/bench_lora_sft.py --shape qwen3-30b-a3b --experts torch --ran
   --samples-per-row 1 --gbs 2 --mbs 1 --steps 200 --lr 1e-3 --data $TEXT --losses --time-limit ${TIME_LIMIT:-390}"
 QLORA8B="benchmarks/hf_fsdp2.py --qlora --shape llama-8b --lora-rank 16 --lora-alpha 32 --data sft --gbs 8 --steps 10
   --warmup 4 ${HFQLORA:---mbs 1}"
+GPU_TEST='import sys; sys.path[:0] = ["tests"]; import test_gpu_lora_fp8_gemm as t
+for n in [n for n in vars(t) if n.startswith("test_")]: getattr(t, n)(); print("passed", n)'  # no pytest on the GPU machine
 LORA8B="benchmarks/bench_lora_sft.py --shape llama-8b --rank 16 --alpha 32 --samples-per-row 1 --gbs 8 --steps 10 --losses"
 
 case $stage in
@@ -135,13 +138,23 @@ case $stage in
     one=$!
     job bf16gemm-30b ${GPU30B:-2} 500 python $LORA30 --impl local --base-precision fp8 --memory-cap-gib 78 --steps $n &
     two=$!
-    job gpu-test "$g" 150 python -c 'import sys; sys.path[:0] = ["tests"]; import test_gpu_lora_fp8_gemm as t
-for n in [n for n in vars(t) if n.startswith("test_")]: getattr(t, n)(); print("passed", n)'
+    job gpu-test "$g" 150 python -c "$GPU_TEST"
     job 8b-fp8-bf16gemm "$g" 110 python $LORA8B --impl local --base-precision fp8 &
     three=$!
     job 8b-fp8-fp8gemm "${GPU8B:-3}" 110 python $LORA8B --impl local --base-precision fp8 --base-gemm fp8 &
     four=$!
     wait $one $two $three $four ;;
+  fp8check)  # fp8gemm's kernel test again, then the two 8B runs profiled (torch.profiler, 3 steps: DIR/rank0.txt) on
+             # GPUs $GPU (default 0) and ${GPU8B:-1}
+    g=${GPU:-0}
+    job gpu-test "$g" 100 python -c "$GPU_TEST"
+    job 8b-fp8-bf16gemm-profile "$g" 110 python $LORA8B --steps 6 --impl local --base-precision fp8 \
+      --profile "$OUT/${TAG}_profile_8b_bf16gemm" &
+    one=$!
+    job 8b-fp8-fp8gemm-profile "${GPU8B:-1}" 110 python $LORA8B --steps 6 --impl local --base-precision fp8 --base-gemm fp8 \
+      --profile "$OUT/${TAG}_profile_8b_fp8gemm" &
+    two=$!
+    wait $one $two ;;
   collect)
     for _ in $(seq "${WAIT:-540}"); do [ -f "$BG/done" ] && break; sleep 1; done
     [ -f "$BG/done" ] || echo "collect: the 30B runs are still going; copying what they wrote so far"
@@ -161,6 +174,6 @@ for n in [n for n in vars(t) if n.startswith("test_")]: getattr(t, n)(); print("
       job grow-nf4 1 120 python $G --base-precision nf4 ) &
     other=$!
     wait $one $other ;;
-  *) echo "unknown stage $stage (one30, ep2, bg30, control30, eight, qlora, sweepqlora, gptoss, fp8gemm, collect, grow)"; exit 2 ;;
+  *) echo "unknown stage $stage (one30, ep2, bg30, control30, eight, qlora, sweepqlora, gptoss, fp8gemm, fp8check, collect, grow)"; exit 2 ;;
 esac
 cut -c1-300 "$JSONL" | grep -v '"STEP"' ; grep -h -i "error\|Traceback\|memory:" "$OUT/${TAG}_${stage}"_*.log | tail -8

@@ -2,7 +2,7 @@
 
 The reference is computed by hand in fp64 from the loaded weights: W' = e4m3(W / s) * s per output
 row (the base's codes), and each call's input rounded to e4m3 per row, x' = e4m3(x / sx) * sx with
-sx = amax(|x row|) / 448:
+sx = amax(|x row|) / 448 (in fp32):
   - mcore's column- and row-parallel linears and torch's grouped experts give y = x' W'^T, and
     input gradients dy W' (exact for the dequantized weight, the input's rounding passed through);
   - in a whole model (dense layers and grouped experts) the weights are never materialised, autograd
@@ -27,9 +27,11 @@ FP8_GEMM = LoRAConfig(target_modules="all-linear", rank=8, alpha=16.0, base_prec
 
 
 def rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """x' = e4m3(x / sx) * sx per row, sx = amax / 448, in fp64."""
-    scale = x.double().abs().amax(dim=-1, keepdim=True) / 448.0
-    return (x.double() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale
+    """x' = e4m3(x / sx) * sx per row, sx = amax / 448, both in fp32 as the module docstring says (in
+    fp64 a quotient near a rounding boundary can round the other way: 6 of 230,400 on an H200), x' in fp64."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / 448.0
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale.double()
 
 
 def _quantized_chunk(cfg, lora=FP8_GEMM):
