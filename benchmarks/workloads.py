@@ -98,6 +98,9 @@ _MOE_MODEL = "/tmp/moe_a3b_8l"
 # session 28's issue 49 runs: both 30B runs at once (4 GPUs), then their logs; the 8B bases and QLoRA, both orders
 _BG30 = "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh bg30; WAIT=900 bash benchmarks/run_issue49_gpu.sh collect"
 _QLORA = "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh eight; OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh qlora"
+# session 29: HF's QLoRA swept (GPU 3 of a 4-GPU machine); FP8 GEMMs against the dequantized FP8 base, side by side
+_SWEEPQLORA = "OUT=. TAG=s29 GPU=3 bash benchmarks/run_issue49_gpu.sh sweepqlora"
+_FP8GEMM = "OUT=. TAG=s29 STEPS30=30 TIME_LIMIT=300 bash benchmarks/run_issue49_gpu.sh fp8gemm"
 _GRPO = f"CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model {_MOE_MODEL} --ep 1 --steps 3"
 
 
@@ -194,13 +197,15 @@ WORKLOADS = (
     Workload(
         name="moe30b-16l-fsdp2",
         what="16 layers of Qwen3-30B-A3B (all 128 experts), full fine-tuning, seq 4096, global batch 8, random "
-             "tokens; ours at EP=2 (micro batch 2, torch's experts, the fusions, no recompute) against "
-             "transformers' model (its grouped_mm experts) under FSDP2 at its sweep's fastest: compiled, "
-             "checkpointed, micro batch 4 (the same machine 8 minutes later, not interleaved; other jobs ran on the "
-             "machine's other two GPUs during both)",
+             "tokens; ours at EP=2 at its sweep's fastest (micro batch 4, selective recompute, torch's experts, the "
+             "fusions; session 29; micro batch 2 without recompute: 21,905) against transformers' model (its "
+             "grouped_mm experts) under FSDP2 at its sweep's fastest: compiled, checkpointed, micro batch 4 "
+             "(session 28, another machine of the same kind: not interleaved)",
         device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0", unit="tokens/s/GPU",
-        ours=Side("lightning-mcore, EP=2", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh pair30",
-                  Reading(("2026-11-28/s28_pair30.jsonl",), TOKENS, {"label": "ours-ep2"})),
+        ours=Side("lightning-mcore, EP=2, micro batch 4, selective recompute",
+                  "CUDA_VISIBLE_DEVICES=1,2 OUT=. TAG=s29 BUDGET=360 bash benchmarks/run_issue47_gpu.sh sweepours30",
+                  Reading(("2026-11-28/s29_sweepours30.jsonl",), TOKENS,
+                          {"label": "sweep", "mbs": 4, "recompute": "selective"})),
         baseline=Side("HF + FSDP2, compiled, checkpointed, micro batch 4",
                       "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh sweep30",
                       Reading(("2026-11-28/s28_sweep30.jsonl",), TOKENS, {"label": "sweep", "mbs": 4})),
@@ -229,17 +234,55 @@ WORKLOADS = (
     Workload(
         name="lora8b-nf4-qlora",
         what="Llama-3-8B shape, LoRA r16 on every linear over an NF4 base, one GPU, seq 4096, global batch 8, "
-             "micro batch 1, no recompute; ours (mcore's local layers) against transformers + peft + "
-             "bitsandbytes QLoRA (NF4, double quantization, eager, autocast bf16); two runs each, one after the other on "
-             "one GPU; HF not swept (micro batch 2-4 and torch.compile not tried)",
+             "no recompute; ours (mcore's local layers, micro batch 1; not swept) against transformers + peft + "
+             "bitsandbytes QLoRA (NF4, double quantization, autocast bf16) at its sweep's fastest: each decoder layer "
+             "compiled, micro batch 2 (eager 8,113-8,534; micro batch 4 out of memory). Ours: two runs, session 28; "
+             "HF's sweep: session 29, another machine of the same kind (against HF eager at micro batch 1, "
+             "interleaved in session 28: 1.315x)",
         device=H200, gpus=1, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0, bitsandbytes 0.50.2",
         unit="tokens/s/GPU",
         ours=Side("lightning-mcore, NF4 base", _QLORA,
                   Reading(("2026-11-28/s28_eight.jsonl", "2026-11-28/s28_qlora.jsonl"), TOKENS,
                           {"label": ("8b-nf4-local", "ours-nf4-2"), "line": "RESULT"})),
-        baseline=Side("HF + peft + bitsandbytes QLoRA", _QLORA,
-                      Reading(("2026-11-28/s28_eight.jsonl", "2026-11-28/s28_qlora.jsonl"), TOKENS,
-                              {"label": ("hf-qlora", "hf-qlora-2"), "line": "RESULT"})),
+        baseline=Side("HF + peft + bitsandbytes QLoRA, compiled, micro batch 2", _SWEEPQLORA,
+                      Reading(("2026-11-28/s29_sweepqlora.jsonl",), TOKENS,
+                              {"label": "hf-qlora-compiled", "mbs": 2, "line": "RESULT"})),
+    ),
+    Workload(
+        name="moe30b-lora-fp8gemm-1gpu",
+        what="Qwen3-30B-A3B (48 layers), LoRA r8 on every linear over an FP8 base on ONE GPU (allocator capped at "
+             "78 GiB), mcore's local layers, torch's grouped experts, full recompute, real text, seq 4096, global batch "
+             "2, 30 steps: FP8 GEMMs on the codes (lora.base_gemm fp8) against the codes dequantized into bf16 GEMMs, "
+             "at the same time on two GPUs of one machine; the losses of the two agree within the runs' noise",
+        device=H200, gpus=1, versions=KIT, unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, FP8 GEMMs", _FP8GEMM,
+                  Reading(("2026-11-28/s29_fp8gemm.jsonl",), TOKENS, {"label": "fp8gemm-30b", "line": "RESULT"})),
+        baseline=Side("lightning-mcore, the FP8 base dequantized into bf16 GEMMs", _FP8GEMM,
+                      Reading(("2026-11-28/s29_fp8gemm.jsonl",), TOKENS, {"label": "bf16gemm-30b", "line": "RESULT"})),
+    ),
+    Workload(
+        name="lora8b-fp8gemm",
+        what="Llama-3-8B shape, LoRA r16 on every linear over an FP8 base, one GPU, seq 4096, global batch 8, micro "
+             "batch 1, no recompute, mcore's local layers: FP8 GEMMs (lora.base_gemm fp8) against the codes "
+             "dequantized into bf16 GEMMs, at the same time on two GPUs of one machine (not profiled: the profiled "
+             "runs were cut before writing their tables)",
+        device=H200, gpus=1, versions=KIT, unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, FP8 GEMMs", _FP8GEMM,
+                  Reading(("2026-11-28/s29_fp8gemm.jsonl",), TOKENS, {"label": "8b-fp8-fp8gemm", "line": "RESULT"})),
+        baseline=Side("lightning-mcore, the FP8 base dequantized into bf16 GEMMs", _FP8GEMM,
+                      Reading(("2026-11-28/s29_fp8gemm.jsonl",), TOKENS, {"label": "8b-fp8-bf16gemm", "line": "RESULT"})),
+    ),
+    Workload(
+        name="gptoss-lora-mxfp4",
+        what="4 layers of GPT-OSS-20B (its 201k vocabulary, 32 experts, top-4), LoRA r16 on every linear, one GPU, "
+             "seq 4096, global batch 8, micro batch 1, mcore's local layers, torch's experts: the adapted base in "
+             "MXFP4 (the format GPT-OSS's experts are published in; 21.1 GB peak) against the same in bf16 (25.6 GB); "
+             "NF4: 23,788 tokens/s, 21.2 GB",
+        device=H200, gpus=1, versions=KIT, unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, MXFP4 base", "OUT=. TAG=s29 GPU=3 bash benchmarks/run_issue49_gpu.sh gptoss",
+                  Reading(("2026-11-28/s29_gptoss.jsonl",), TOKENS, {"label": "gptoss-mxfp4", "line": "RESULT"})),
+        baseline=Side("lightning-mcore, bf16 base", "OUT=. TAG=s29 GPU=3 bash benchmarks/run_issue49_gpu.sh gptoss",
+                      Reading(("2026-11-28/s29_gptoss.jsonl",), TOKENS, {"label": "gptoss-bf16", "line": "RESULT"})),
     ),
     Workload(
         name="vlm-7b-lora-dp2",
