@@ -29,33 +29,21 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from lightning_mcore.lora.config import LoRAError
-from lightning_mcore.lora.quantized_base import FP8, FP8_MAX, QuantizedWeights
+from lightning_mcore.lora.quantized_base import QuantizedWeights, row_scales, to_e4m3
 
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm")
 
 
-def input_scales(x: torch.Tensor, group=None) -> torch.Tensor:
-    """sx [T, 1] of x [T, in]: amax / 448 per row (over `group` where the rows are split across it)."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # a zero row: codes 0
-
-
-def _to_e4m3(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
 @functools.cache
 def _fused_to_e4m3():
-    """_to_e4m3 as one kernel (eager: three passes through an fp32 copy of the input)."""
-    return torch.compile(_to_e4m3, dynamic=True)
+    """to_e4m3 as one kernel (eager: three passes through an fp32 copy of the input)."""
+    return torch.compile(to_e4m3, dynamic=True)
 
 
 def quantize_input(x: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xq, sx) of x [T, in]."""
-    scales = input_scales(x, group)
-    cast = _fused_to_e4m3() if x.is_cuda else _to_e4m3
+    """(xq, sx) of x [T, in]: the weights' rule (row_scales, to_e4m3) on each call's input rows."""
+    scales = row_scales(x, group)
+    cast = _fused_to_e4m3() if x.is_cuda else to_e4m3
     with torch.no_grad():
         return cast(x, scales), scales
 

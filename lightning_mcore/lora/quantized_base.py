@@ -72,17 +72,25 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
 
-@torch.no_grad()
-def quantize_rows(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of `weight` [..., out, in]: one scale per row, amax / 448 over the whole
-    row (its max taken over `group` when the rows are split across it: row-parallel)."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=-1, keepdim=True)
+def row_scales(t: torch.Tensor, group=None) -> torch.Tensor:
+    """[..., 1] fp32: amax / 448 over each whole row of `t` (its max taken over `group` when the rows
+    are split across it: row-parallel); 1 for an all-zero row, whose codes are then 0."""
+    amax = t.detach().abs().amax(dim=-1, keepdim=True).float()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # an all-zero row: codes 0
-    codes = (w / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes, scales.squeeze(-1)
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def to_e4m3(t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The e4m3 codes of t / scales (in fp32, saturating at +-448)."""
+    return (t.detach().float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+@torch.no_grad()
+def quantize_rows(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of `weight` [..., out, in]: one scale per row (row_scales)."""
+    scales = row_scales(weight, group)
+    return to_e4m3(weight, scales), scales.squeeze(-1)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
