@@ -54,6 +54,31 @@ SHAPES = {
 }
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+
+
+class StepProfile:
+    """torch.profiler over the first 3 timed steps (their times count in the result: profile in a run
+    of its own), written as bench_pretrain's tables to DIR/<name>.txt; nothing without a DIR."""
+
+    def __init__(self, out_dir, name: str) -> None:
+        self.out_dir, self.name, self.prof = out_dir, name, None
+
+    def start(self, step: int) -> None:
+        if self.out_dir and step == UNTIMED_STEPS:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                               + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else []))
+            self.prof.__enter__()
+
+    def end(self, step: int, times: list) -> None:
+        """After step `step` (0-based), whose time is times[-1]."""
+        if self.prof is not None and step == UNTIMED_STEPS + 2:
+            from bench_pretrain import profile_tables  # here: bench_pretrain imports mcore
+
+            self.prof.__exit__(None, None, None)
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, f"{self.name}.txt"), "w") as f:
+                f.write(f"steps {step - 1}-{step + 1} (1-based), step s {times[-3:]}\n" + profile_tables(self.prof))
+            self.prof = None
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -164,13 +189,16 @@ def ours(args) -> None:
     times = []
 
     class Timer(L.Callback):
-        def on_train_batch_start(self, *a):
+        def on_train_batch_start(self, trainer, *a):
             torch.cuda.synchronize() if CUDA else None
+            self.profile = getattr(self, "profile", StepProfile(args.profile, f"rank{trainer.global_rank}"))
+            self.profile.start(len(times))
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, *a):
             torch.cuda.synchronize() if CUDA else None
             times.append(time.perf_counter() - self.t)
+            self.profile.end(len(times) - 1, times)
 
     strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1, use_distributed_optimizer=CUDA,
                                 tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1)
@@ -208,8 +236,10 @@ def hf(args) -> None:
     per_step = (args.seq // sample_len) * args.gbs  # the same samples per step as ours
     times, k = [], 0
     t, h, w = args.grid
+    profile = StepProfile(args.profile, "hf")
     for step in range(args.steps):
         torch.cuda.synchronize() if CUDA else None
+        profile.start(step)
         start = time.perf_counter()
         for _ in range(per_step // args.micro_batch):
             samples = [sample_tokens(config, args.text, tuple(args.grid), k + j) for j in range(args.micro_batch)]
@@ -226,6 +256,7 @@ def hf(args) -> None:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize() if CUDA else None
         times.append(time.perf_counter() - start)
+        profile.end(step, times)
     steady = times[UNTIMED_STEPS:]
     result(args, "hf-compile" if args.compile else "hf-eager", sum(steady) / len(steady), per_step * sample_len,
            per_step * t * h * w, config, {"micro_batch": args.micro_batch, "samples_per_step": per_step})
@@ -250,6 +281,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="ours: full fine-tuning (vision encoder included, distributed optimizer) instead of LoRA")
     ap.add_argument("--micro-batch", type=int, default=1, help="samples per HF forward")
     ap.add_argument("--compile", action="store_true", help="HF: torch.compile the language model")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="torch.profiler over the first 3 timed steps: DIR/rank{N}.txt (ours), DIR/hf.txt")
     args = ap.parse_args(argv)
     if args.gbs % args.dp:
         ap.error(f"--gbs {args.gbs} rows must divide over --dp {args.dp}")

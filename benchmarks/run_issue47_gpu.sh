@@ -27,10 +27,14 @@
 #   lora30      ours only: all 48 layers of Qwen3-30B-A3B, LoRA r8 (alpha 32) on every linear, experts included, at
 #               EP=NGPU, global batch 8 of rows packing 4 samples, micro batch 1: full recompute (the recipe's), selective,
 #               none (the seed case of part 2: MFU and memory of each)
+#   lora30mbs   lora30's seed case at micro batch 2 (rows per rank allowing), full then selective recompute: fewer layer
+#               passes per token for a step that session 29's profile found host-bound (385 host waits a step at micro
+#               batch 1), within the recipe's 50 GB if they fit
 #   vlm         Qwen2.5-VL-7B LoRA r16 (issue 47 part 2): ours data-parallel on NGPU GPUs (TP=1; the TP=2 + SP run
 #               was 0.43x HF per GPU, RESULTS.md session 9) and HF + peft compiled at micro batch 4 on one GPU, the
 #               same 16 samples of 1,022 tokens (one 392x392 image each) a step; interleaved, twice
-#   profile CASE  CASE = 30b, 8b, lora8b, lora30 or seed30 (lora30's full-recompute case, ours only): torch.profiler
+#   profile CASE  CASE = 30b, 8b, lora8b, lora30, seed30 (lora30's full-recompute case, ours only) or vlm (vlm's pair,
+#               each side's steps 4-6, $OUT/${TAG}_profile_vlm/{ours/rank{N},hf/hf}.txt): torch.profiler
 #               tables of three steps (HF's 10-12, ours' first three timed), one file per rank, in
 #               $OUT/${TAG}_profile_CASE/{hf,ours}/rank{N}.txt
 # A pair stage without its sweep's file uses the settings written below as fallbacks (the memory estimate's
@@ -113,6 +117,9 @@ best() {  # the sweep stage's fastest HF settings, or the fallback
   [ -n "${DRY_RUN:-}" ] && { echo "$2"; return; }
   python benchmarks/issue47_summary.py best "$OUT/${TAG}_$1.jsonl" --fallback "$2"
 }
+vl7b() {  # the random Qwen2.5-VL-7B checkpoint both VLM sides load, made once
+  [ -n "${DRY_RUN:-}" ] || [ -f /tmp/vl7b/config.json ] || python benchmarks/bench_vlm_sft.py make --out /tmp/vl7b >> "$LOG" 2>&1
+}
 ratios() { [ -z "${DRY_RUN:-}" ] && python benchmarks/issue47_summary.py ratios "$JSONL" --ours "$1" --hf hf | tee -a "$LOG"; }
 
 A30="--shape qwen3-30b-a3b --layers $L30 --gbs $GBS"
@@ -122,6 +129,7 @@ OURS30="--impl lightning $A30 --ep $NGPU --mbs $(biggest 2) --set moe_permute_fu
   ${OURS30_EXTRA:-}"
 OURS_LORA="--rank 16 --alpha 32 --samples-per-row 1 --gbs $GBS --steps 10"
 SWEEP="--steps 8 --warmup 3"
+SEED30="--shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --seq 4096 --gbs $GBS --steps 12 --ep $NGPU --losses"
 PAIR="--steps 10 --warmup 4"
 
 case $stage in
@@ -173,12 +181,14 @@ case $stage in
     done
     ratios "ours-ep$NGPU" ;;
   lora30)
-    L="--shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --seq 4096 --gbs $GBS --mbs 1 --steps 12 --ep $NGPU --losses"
-    ours full 150 bench_lora_sft.py $L --recompute
-    ours selective 150 bench_lora_sft.py $L --recompute-selective
-    ours none 150 bench_lora_sft.py $L ;;
+    ours full 150 bench_lora_sft.py $SEED30 --mbs 1 --recompute
+    ours selective 150 bench_lora_sft.py $SEED30 --mbs 1 --recompute-selective
+    ours none 150 bench_lora_sft.py $SEED30 --mbs 1 ;;
+  lora30mbs)
+    ours full-mbs2 150 bench_lora_sft.py $SEED30 --mbs "$(biggest 2)" --recompute
+    ours selective-mbs2 150 bench_lora_sft.py $SEED30 --mbs "$(biggest 2)" --recompute-selective ;;
   vlm)
-    [ -n "${DRY_RUN:-}" ] || [ -f /tmp/vl7b/config.json ] || python benchmarks/bench_vlm_sft.py make --out /tmp/vl7b >> "$LOG" 2>&1
+    vl7b
     for k in 1 2; do
       ours "ours-dp$NGPU#$k" 120 bench_vlm_sft.py ours --model /tmp/vl7b --dp "$NGPU" --gbs 4 --steps 8
       one_gpu "hf#$k" 120 bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 4 --compile --steps 8
@@ -201,7 +211,10 @@ case $stage in
                 $(best sweeplora30 "--mbs 1 --ac") --profile-dir "$dir/hf" ;;
       seed30) ours ours 150 bench_lora_sft.py --shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --gbs $GBS \
                 --mbs 1 --steps 7 --ep "$NGPU" --recompute --profile "$dir/ours" ;;  # lora30's recipe case, ours only
-      *) echo "profile needs a case: 30b, 8b, lora8b, lora30 or seed30"; exit 2 ;;
+      vlm) vl7b
+           ours ours 120 bench_vlm_sft.py ours --model /tmp/vl7b --dp "$NGPU" --gbs 4 --steps 8 --profile "$dir/ours"
+           one_gpu hf 120 bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 4 --compile --steps 8 --profile "$dir/hf" ;;
+      *) echo "profile needs a case: 30b, 8b, lora8b, lora30, seed30 or vlm"; exit 2 ;;
     esac ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -33,13 +33,16 @@
 #          hand computation (tests/test_gpu_lora_fp8_gemm.py), then Llama-3-8B LoRA r16 over the fp8 base dequantized into
 #          bf16 GEMMs, and by FP8 GEMMs on GPU ${GPU8B:-3} at the same time, 10 steps each; meanwhile one30's Qwen3-30B-A3B run (78 GiB cap, real text) for
 #          ${STEPS30:-50} steps by FP8 GEMMs on GPU ${GPU30:-1} and dequantized on GPU ${GPU30B:-2}: speed, and the loss step by step
-#   fp8check fp8gemm's kernel test, then its two 8B runs profiled side by side on two GPUs
+#   fp8check fp8gemm's kernel test, then its two 8B runs profiled side by side on two GPUs (writing a profile's
+#          tables takes a minute or more after the last step: session 29's were cut before, at 110 s a run)
+#   sweepnf4 one GPU ($GPU, default 1): ours over the NF4 base of eight/qlora at micro batch 2 and 4 (HF's QLoRA was
+#          swept in sweepqlora; ours had run at 1 only)
 #   collect waits up to $WAIT seconds (default 540) for bg30's runs, then copies their raw lines to $OUT and their logs
 #          as one archive, ${TAG}_bg30_logs.tgz
 #   grow   the check of session 27's fix: 8 layers of the Llama-3-8B shape over an fp8 base without recompute, the allocator's history
 #          (steps 2-4) written to $OUT/${TAG}_grow_fp8_snapshot.pickle; with recompute and nf4 on GPU 1
 # Raw lines (RESULT and STEP, each with its "label") go to $OUT/${TAG}_<stage>.jsonl, logs to
-# $OUT/${TAG}_<stage>_<label>.log.
+# $OUT/${TAG}_<stage>_<label>.log. DRY_RUN=FILE: each command's GPUs and arguments go to FILE instead of running.
 set -uo pipefail
 OUT=${OUT:-.}
 TAG=${TAG:-s28}
@@ -50,6 +53,7 @@ JSONL=$OUT/${TAG}_$stage.jsonl
 
 job() {  # label, GPUs (CUDA_VISIBLE_DEVICES), seconds, then the command
   local label=$1 gpus=$2 seconds=$3; shift 3
+  if [ -n "${DRY_RUN:-}" ]; then echo "$gpus $*" >> "$DRY_RUN"; return; fi  # tests/test_run_queues_gpu.py
   echo "== $label on GPU $gpus: $*" > "$OUT/${TAG}_${stage}_$label.log"
   CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$seconds" "$@" >> "$OUT/${TAG}_${stage}_$label.log" 2>&1
   echo "== $label exit $?" >> "$OUT/${TAG}_${stage}_$label.log"
@@ -125,6 +129,9 @@ case $stage in
     g=${GPU:-1}
     job hf-qlora-eager "$g" 300 python $QLORA8B --mbs 1,2,4  # the last --mbs counts
     job hf-qlora-compiled "$g" 300 python $QLORA8B --mbs 1,2,4 --compile ;;
+  sweepnf4)
+    g=${GPU:-1}
+    for m in 2 4; do job "ours-nf4-mbs$m" "$g" 150 python $LORA8B --impl local --base-precision nf4 --mbs $m; done ;;
   gptoss)
     g=${GPU:-1}
     job dequant "$g" 150 python benchmarks/dequant_speed.py
@@ -148,10 +155,10 @@ case $stage in
              # GPUs $GPU (default 0) and ${GPU8B:-1}
     g=${GPU:-0}
     job gpu-test "$g" 100 python -c "$GPU_TEST"
-    job 8b-fp8-bf16gemm-profile "$g" 110 python $LORA8B --steps 6 --impl local --base-precision fp8 \
+    job 8b-fp8-bf16gemm-profile "$g" 240 python $LORA8B --steps 6 --impl local --base-precision fp8 \
       --profile "$OUT/${TAG}_profile_8b_bf16gemm" &
     one=$!
-    job 8b-fp8-fp8gemm-profile "${GPU8B:-1}" 110 python $LORA8B --steps 6 --impl local --base-precision fp8 --base-gemm fp8 \
+    job 8b-fp8-fp8gemm-profile "${GPU8B:-1}" 240 python $LORA8B --steps 6 --impl local --base-precision fp8 --base-gemm fp8 \
       --profile "$OUT/${TAG}_profile_8b_fp8gemm" &
     two=$!
     wait $one $two ;;
@@ -174,6 +181,7 @@ case $stage in
       job grow-nf4 1 120 python $G --base-precision nf4 ) &
     other=$!
     wait $one $other ;;
-  *) echo "unknown stage $stage (one30, ep2, bg30, control30, eight, qlora, sweepqlora, gptoss, fp8gemm, fp8check, collect, grow)"; exit 2 ;;
+  *) echo "unknown stage $stage (one30, ep2, bg30, control30, eight, qlora, sweepqlora, gptoss, fp8gemm, fp8check, sweepnf4, collect, grow)"; exit 2 ;;
 esac
+[ -n "${DRY_RUN:-}" ] && exit 0
 cut -c1-300 "$JSONL" | grep -v '"STEP"' ; grep -h -i "error\|Traceback\|memory:" "$OUT/${TAG}_${stage}"_*.log | tail -8

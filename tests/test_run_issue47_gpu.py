@@ -129,3 +129,29 @@ def test_sweepours30_runs_ours_at_pair30s_shape(gpus, tmp_path):
     with mock.patch.dict(os.environ, {"OURS30_EXTRA": "--mbs 1 --recompute full"}):
         (_, extra), _ = dry_run("pair30", gpus, tmp_path / "extra")[:2]
     assert (extra.mbs, extra.recompute) == (1, "full")
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_lora30mbs_runs_the_seed_case_at_a_larger_micro_batch(gpus, tmp_path):
+    """lora30's model, adapters and rows at micro batch 2 where each rank's rows allow it, with full then
+    selective recompute."""
+    (_, seed), *_ = dry_run("lora30", gpus, tmp_path)
+    commands = dry_run("lora30mbs", gpus, tmp_path)
+    assert [s for s, _ in commands] == ["bench_lora_sft.py"] * 2
+    args = [a for _, a in commands]
+    assert [(a.mbs, a.recompute, a.recompute_selective) for a in args] == [(2, True, False), (2, False, True)]
+    for a in args:
+        assert (a.shape, a.layers, a.ep, a.rank, a.alpha, a.gbs, a.seq, a.samples_per_row, a.experts) == \
+            (seed.shape, seed.layers, seed.ep, seed.rank, seed.alpha, seed.gbs, seed.seq, seed.samples_per_row,
+             seed.experts)
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_profile_vlm_profiles_the_vlm_pair(gpus, tmp_path):
+    """The vlm stage's first pair, each side with --profile into its own folder."""
+    pair = dry_run("vlm", gpus, tmp_path, one_gpu=("bench_vlm_sft.py",))[:2]
+    profiled = dry_run("profile vlm", gpus, tmp_path, one_gpu=("bench_vlm_sft.py",))
+    assert [a.what for _, a in profiled] == [a.what for _, a in pair] == ["ours", "hf"]
+    for (_, a), (_, b) in zip(profiled, pair):
+        assert a.profile.endswith(f"_profile_vlm/{a.what}")
+        assert {**vars(a), "profile": None} == vars(b)

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# A session's GPU work on one 4-GPU H200 machine as queues of stages, each queue started in a new process session
+# (setsid) so that it outlives the device's 600-s calls; `collect` brings back what they wrote so far as one archive
+# (the device returns only a few files a call). PLAN names the session's queues (below); each writes into $Q (default
+# /tmp/q_$PLAN) with TAG=$PLAN. Before `start`: bash .gpu/kit/install.sh && source .gpu/kit/env.sh, and what the
+# plan's stages need (run_issue49_gpu.sh's header: bitsandbytes in /tmp/site, the real-text tokens in /tmp/text).
+#   PLAN=s29 (ran in session 29)
+#     q0    GPU 0: run_issue49_gpu.sh's control of the FP8 base's loss margin (the bf16 base on mcore's local layers,
+#           one GPU, the same 200 steps of real text as session 28's two runs)
+#     q12   GPUs 1,2: run_issue47_gpu.sh profile seed30, lora8b and 30b (HF at session 28's sweep's fastest: micro
+#           batch 4, checkpointed, compiled), then sweepours30 (ours at micro batch 4 and 1, as HF was swept)
+#     q3    GPU 3: run_issue49_gpu.sh gptoss, then sweepqlora
+#   PLAN=s30 (the next session's)
+#     q01   GPUs 0,1: pair30 best against best, interleaved (ours: micro batch 4, selective recompute, session 29's
+#           sweep; HF: compiled, checkpointed, micro batch 4), then profile 8b, sweep8b and pair8b
+#     q23   GPUs 2,3: lora30mbs (the seed case at micro batch 2), profile vlm, then run_issue49_gpu.sh fp8check (the
+#           8B FP8 GEMMs profiled), then sweepnf4 on GPU 3
+# `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
+set -uo pipefail
+PLAN=${PLAN:?PLAN: s29 or s30}
+Q=${Q:-/tmp/q_$PLAN}
+export TAG=$PLAN PYTHONUNBUFFERED=1
+case $PLAN in
+  s29) QUEUES="q0 q12 q3" ;;
+  s30) QUEUES="q01 q23" ;;
+  *) echo "unknown PLAN $PLAN (s29, s30)"; exit 2 ;;
+esac
+run() {  # the stages of queue $1 of $PLAN
+  case $PLAN/$1 in
+    s29/q0) OUT=$Q CONTROL_GPU=0 TIME_LIMIT=${TIME_LIMIT:-900} bash benchmarks/run_issue49_gpu.sh fgcontrol ;;
+    s29/q12)
+      export CUDA_VISIBLE_DEVICES=1,2 OUT=$Q
+      bash benchmarks/run_issue47_gpu.sh profile seed30
+      bash benchmarks/run_issue47_gpu.sh profile lora8b
+      HF30="--mbs 4 --ac --compile" bash benchmarks/run_issue47_gpu.sh profile 30b
+      BUDGET=${SWEEP_BUDGET:-360} bash benchmarks/run_issue47_gpu.sh sweepours30 ;;
+    s29/q3)
+      OUT=$Q GPU=3 bash benchmarks/run_issue49_gpu.sh gptoss
+      OUT=$Q GPU=3 bash benchmarks/run_issue49_gpu.sh sweepqlora ;;
+    s30/q01)
+      export CUDA_VISIBLE_DEVICES=0,1 OUT=$Q
+      OURS30_EXTRA="--mbs 4 --recompute selective" HF30="--mbs 4 --ac --compile" bash benchmarks/run_issue47_gpu.sh pair30
+      bash benchmarks/run_issue47_gpu.sh profile 8b
+      bash benchmarks/run_issue47_gpu.sh sweep8b
+      bash benchmarks/run_issue47_gpu.sh pair8b ;;
+    s30/q23)
+      export OUT=$Q
+      CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/run_issue47_gpu.sh lora30mbs
+      CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/run_issue47_gpu.sh profile vlm
+      GPU=2 GPU8B=3 bash benchmarks/run_issue49_gpu.sh fp8check
+      GPU=3 bash benchmarks/run_issue49_gpu.sh sweepnf4 ;;
+  esac
+  touch "$Q/$1.done"
+}
+case ${1:?stage} in
+  start)
+    mkdir -p "$Q"
+    for q in $QUEUES; do setsid bash "$0" queue $q > "$Q/$q.out" 2>&1 < /dev/null & done
+    echo "queues $QUEUES started in $Q" ;;
+  queue) run "${2:?queue}" ;;
+  collect)
+    for _ in $(seq "${WAIT:-0}"); do
+      all=1; for q in $QUEUES; do [ -f "$Q/$q.done" ] || all=0; done; [ $all = 1 ] && break; sleep 1
+    done
+    ls "$Q"; tail -n 3 "$Q"/*.out
+    grep -h '^{' "$Q"/*.jsonl 2>/dev/null | grep -v '"STEP"' | cut -c1-300
+    tar czf "${OUT:-.}/${PLAN}_q.tgz" -C "$Q" . ;;
+  *) echo "unknown stage (start, queue, collect)"; exit 2 ;;
+esac
