@@ -61,6 +61,8 @@ def scaled_mm(xq, sx, codes, scales, dtype: torch.dtype) -> torch.Tensor:
 
 def scaled_grouped_mm(xq, sx, codes, scales, offsets, dtype: torch.dtype) -> torch.Tensor:
     """Expert e's rows of xq (ending at offsets[e]) times its codes [E, out, in]^T."""
+    if xq.shape[0] == 0:  # no token reached this rank's experts
+        return torch.zeros(0, codes.shape[1], dtype=dtype, device=xq.device)
     if xq.is_cuda:
         return torch._scaled_grouped_mm(xq, codes.transpose(1, 2), scale_a=sx.squeeze(-1),
                                         scale_b=scales.float(), offs=offsets, out_dtype=dtype)
@@ -150,6 +152,7 @@ class Fp8ExpertsGemm:
 
 
 def check_device(weight: torch.Tensor) -> None:
+    """Refuse where torch's scaled GEMMs cannot run (before the first step, not inside it)."""
     if weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9):
         raise LoRAError(f"LoRA base_gemm='fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, "
                         f"Hopper, Blackwell), but this GPU has {torch.cuda.get_device_capability(weight.device)}: "
