@@ -140,7 +140,15 @@ def computes_with_the_codes_and_saves_no_weight(experts: dict, precision: str, h
 
                 quantize_bases([chunk], CODECS[precision])
                 assert all(w.stride() == (0, 0) for w in weights)  # no memory between calls
+                materialised = []  # torch's grouped experts compute from the codes (lora/grouped_base.py)
+                for m in chunk.modules():
+                    if getattr(m, "base_gemms", None):
+                        m.register_forward_pre_hook(lambda m, _: materialised.append(any(
+                            e.linear_fc1.weight.stride() != (0, 0) or e.linear_fc2.weight.stride() != (0, 0)
+                            for e in m.local_experts)))
             loss, saved = _saved_during(chunk, tokens)
+            if base == precision:
+                assert len(materialised) == (cfg.num_layers if experts else 0) and not any(materialised)
             loss.backward()
             grads = {n: p.grad.float().clone() for n, p in chunk.named_parameters() if p.requires_grad}
             got[base] = (loss.detach().float(), grads, saved, weight_bytes, shapes)

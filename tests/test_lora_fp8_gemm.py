@@ -18,9 +18,9 @@ import torch
 from lightning_mcore.export_checkpoint import single_process_megatron
 from lightning_mcore.lora.adapters import apply_lora
 from lightning_mcore.lora.config import LoRAConfig, LoRAError
-from lightning_mcore.lora.fp8_gemm import Fp8ExpertsGemm, Fp8GemmLinear
+from lightning_mcore.lora.fp8_gemm import Fp8GemmLinear, Fp8GroupedLinear
 from hf_models import make_hf_model
-from test_lora_fp8_base import EXPERTS, LORA, TORCH_EXPERTS, _adapted_weights, _chunk, _saved_during, by_hand, train
+from test_lora_fp8_base import EXPERTS, LORA, _adapted_weights, _chunk, _saved_during, by_hand, train
 from toy import tiny_config
 
 FP8_GEMM = LoRAConfig(target_modules="all-linear", rank=8, alpha=16.0, base_precision="fp8", base_gemm="fp8")
@@ -63,7 +63,7 @@ def test_grouped_experts_are_each_experts_rounded_rows_times_its_codes():
         chunk, loaded = _quantized_chunk(tiny_config(num_layers=1, **EXPERTS))
         experts = chunk.decoder.layers[0].mlp.experts
         gemm = experts.base_gemms["linear_fc1"]
-        assert isinstance(gemm, Fp8ExpertsGemm) and gemm.active
+        assert gemm.function is Fp8GroupedLinear and gemm.active
         prefix = "decoder.layers.0.mlp.experts.local_experts"
         w = [by_hand(loaded[f"{prefix}.{e}.linear_fc1.weight"]).double() for e in range(4)]
         counts = [3, 0, 5, 2]  # an expert without tokens too

@@ -170,8 +170,8 @@ def test_grouped_linear_gradients_match_per_expert_linears(frozen, stacked, monk
     from lightning_mcore.model.torch_experts import GroupedExpertLinear, StackedExpertLinear
 
     calls = []
-    grouped_mm = torch_experts._grouped_mm
-    monkeypatch.setattr(torch_experts, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    grouped_mm = torch_experts.grouped_mm
+    monkeypatch.setattr(torch_experts, "grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
 
     gen = torch.Generator().manual_seed(0)
     counts = [3, 0, 5, 2]  # an expert without tokens too

@@ -67,6 +67,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_mcore.lora.config import TARGETS, LoRAConfig, LoRAError, adapts_experts, resolve_targets
 from lightning_mcore.lora.fp8_gemm import use_fp8_gemm
+from lightning_mcore.lora.grouped_base import compute_from_record
 from lightning_mcore.lora.grouped import expert_weights, grouped_hook, is_grouped_linear
 from lightning_mcore.lora.quantized_base import CODECS, Codec, QuantizationError, merge, quantize_module, unmerge
 from lightning_mcore.model.torch_experts import TorchGroupedMLP
@@ -299,6 +300,8 @@ def quantize_bases(chunks, codec: Codec = CODECS["fp8"], fp8_gemm: bool = False)
                 record = quantize_module(experts, short, params, block, group, codec)
                 if fp8_gemm:
                     use_fp8_gemm(experts, record, group, experts_linear=short)
+                else:
+                    compute_from_record(experts, short, record)
                 done.update(id(p) for p in params)
                 errors.setdefault(kind, QuantizationError()).add(block, record)
             elif is_grouped_linear(module):

@@ -29,9 +29,10 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from lightning_mcore.lora.config import LoRAError
+from lightning_mcore.lora.grouped_base import ExpertsGemm, compute_from_record
 from lightning_mcore.lora.quantized_base import QuantizedWeights, row_scales, to_e4m3
+from lightning_mcore.model.torch_experts import grouped_mm
 
-_grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm")
 
 
 @functools.cache
@@ -110,7 +111,7 @@ class Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (offsets,) = ctx.saved_tensors
-        return _grouped_mm(dy.contiguous(), ctx.record.values(), offs=offsets), None, None, None
+        return grouped_mm(dy.contiguous(), ctx.record.values(), offs=offsets), None, None, None
 
 
 class Fp8GemmLinear:
@@ -137,20 +138,6 @@ def _with_fp8_gemm(cls: type) -> type:
     return type(f"Fp8Gemm{cls.__name__}", (Fp8GemmLinear, cls), {})
 
 
-class Fp8ExpertsGemm:
-    """One linear of torch's grouped experts (TorchGroupedMLP.base_gemms[name]) on its FP8 codes."""
-
-    def __init__(self, record: QuantizedWeights, input_group=None) -> None:
-        self.record, self.input_group = record, input_group
-
-    @property
-    def active(self) -> bool:
-        return not self.record.merged
-
-    def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return Fp8GroupedLinear.apply(x, offsets, self.record, self.input_group)
-
-
 def check_device(weight: torch.Tensor) -> None:
     """Refuse where torch's scaled GEMMs cannot run (before the first step, not inside it)."""
     if weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (8, 9):
@@ -161,18 +148,18 @@ def check_device(weight: torch.Tensor) -> None:
 
 def use_fp8_gemm(owner: torch.nn.Module, record: QuantizedWeights, group=None, experts_linear: Optional[str] = None):
     """Make `owner` compute with `record`'s codes: a linear's class gains Fp8GemmLinear; torch's
-    grouped experts (`experts_linear`: which of their linears) get an Fp8ExpertsGemm. `group`: the
+    grouped experts (`experts_linear`: which of their linears) compute it by Fp8GroupedLinear. `group`: the
     row-parallel (expert-)TP group. The record stops giving the weight values per call."""
     if record.codec.name != "fp8":
         raise LoRAError(f"LoRA base_gemm='fp8' computes with FP8 codes, but base_precision is "
                         f"{record.codec.name!r}: use base_precision='fp8', or base_gemm='bf16'.")
     check_device(record.codes)
     if experts_linear is not None:
-        owner.base_gemms = {**owner.base_gemms, experts_linear: Fp8ExpertsGemm(record, group)}
+        compute_from_record(owner, experts_linear, record, ExpertsGemm(Fp8GroupedLinear, record, group))
     elif isinstance(owner, (ColumnParallelLinear, RowParallelLinear)):
         owner.__class__ = _with_fp8_gemm(type(owner))
         owner.fp8_record, owner.fp8_input_group = record, group
+        record.direct = True
     else:
         raise LoRAError(f"LoRA base_gemm='fp8' runs on mcore's local linears and torch's grouped experts, not "
                         f"{type(owner).__name__}: use base_gemm='bf16'.")
-    record.direct = True

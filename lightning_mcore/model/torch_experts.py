@@ -40,7 +40,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from lightning_mcore.model import inference_context
 from lightning_mcore.model.generation_dispatcher import GenerationDispatcher, serves_generation
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
 
 
 def stacked(weights: list) -> torch.Tensor:
@@ -70,8 +70,9 @@ class GroupedExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offsets, *weights):
-        ctx.save_for_backward(x, offsets, *weights)
-        return _grouped_mm(x, stacked(weights).transpose(1, 2), offs=offsets)
+        trained = any(w.requires_grad for w in weights)  # x serves the weights' gradients only (LoRA: frozen)
+        ctx.save_for_backward(x if trained else None, offsets, *weights)
+        return grouped_mm(x, stacked(weights).transpose(1, 2), offs=offsets)
 
     @staticmethod
     def backward(ctx, dy):
@@ -79,9 +80,9 @@ class GroupedExpertLinear(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dws = None
         if ctx.needs_input_grad[0]:
-            dx = _grouped_mm(dy, stacked(weights), offs=offsets)  # [T, out] @ [E, out, in]
+            dx = grouped_mm(dy, stacked(weights), offs=offsets)  # [T, out] @ [E, out, in]
         if any(ctx.needs_input_grad[2:]):  # frozen experts (LoRA) skip their weights' GEMM
-            dws = _grouped_mm(dy.t(), x, offs=offsets).unbind(0)  # per expert dy_e^T x_e: [E, out, in]
+            dws = grouped_mm(dy.t(), x, offs=offsets).unbind(0)  # per expert dy_e^T x_e: [E, out, in]
         return dx, None, *(dws or [None] * len(weights))
 
 
@@ -92,14 +93,14 @@ class StackedExpertLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, weight):
         ctx.save_for_backward(x, offsets, weight)
-        return _grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return grouped_mm(x, weight.transpose(1, 2), offs=offsets)
 
     @staticmethod
     def backward(ctx, dy):
         x, offsets, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = _grouped_mm(dy, weight, offs=offsets) if ctx.needs_input_grad[0] else None
-        dw = _grouped_mm(dy.t(), x, offs=offsets) if ctx.needs_input_grad[2] else None
+        dx = grouped_mm(dy, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+        dw = grouped_mm(dy.t(), x, offs=offsets) if ctx.needs_input_grad[2] else None
         return dx, None, dw
 
 
