@@ -33,6 +33,7 @@
 #          hand computation (tests/test_gpu_lora_fp8_gemm.py), then Llama-3-8B LoRA r16 over the fp8 base dequantized into
 #          bf16 GEMMs, and by FP8 GEMMs on GPU ${GPU8B:-3} at the same time, 10 steps each; meanwhile one30's Qwen3-30B-A3B run (78 GiB cap, real text) for
 #          ${STEPS30:-50} steps by FP8 GEMMs on GPU ${GPU30:-1} and dequantized on GPU ${GPU30B:-2}: speed, and the loss step by step
+#          (ONLY30 set: the 30B pair alone)
 #   fp8check fp8gemm's kernel test, then its two 8B runs profiled side by side on two GPUs (writing a profile's
 #          tables takes a minute or more after the last step: session 29's were cut before, at 110 s a run)
 #   sweepnf4 one GPU ($GPU, default 1): ours over the NF4 base of eight/qlora at micro batch 2 and 4 (HF's QLoRA was
@@ -145,11 +146,14 @@ case $stage in
     one=$!
     job bf16gemm-30b ${GPU30B:-2} 500 python $LORA30 --impl local --base-precision fp8 --memory-cap-gib 78 --steps $n &
     two=$!
-    job gpu-test "$g" 150 python -c "$GPU_TEST"
-    job 8b-fp8-bf16gemm "$g" 110 python $LORA8B --impl local --base-precision fp8 &
-    three=$!
-    job 8b-fp8-fp8gemm "${GPU8B:-3}" 110 python $LORA8B --impl local --base-precision fp8 --base-gemm fp8 &
-    four=$!
+    three="" four=""
+    if [ -z "${ONLY30:-}" ]; then
+      job gpu-test "$g" 150 python -c "$GPU_TEST"
+      job 8b-fp8-bf16gemm "$g" 110 python $LORA8B --impl local --base-precision fp8 &
+      three=$!
+      job 8b-fp8-fp8gemm "${GPU8B:-3}" 110 python $LORA8B --impl local --base-precision fp8 --base-gemm fp8 &
+      four=$!
+    fi
     wait $one $two $three $four ;;
   fp8check)  # fp8gemm's kernel test again, then the two 8B runs profiled (torch.profiler, 3 steps: DIR/rank0.txt) on
              # GPUs $GPU (default 0) and ${GPU8B:-1}

@@ -13,8 +13,9 @@
 #   PLAN=s30 (the next session's)
 #     q01   GPUs 0,1: pair30 best against best, interleaved (ours: micro batch 4, selective recompute, session 29's
 #           sweep; HF: compiled, checkpointed, micro batch 4), then profile 8b, sweep8b and pair8b
-#     q23   GPUs 2,3: lora30mbs (the seed case at micro batch 2), profile vlm, then run_issue49_gpu.sh fp8check (the
-#           8B FP8 GEMMs profiled), then sweepnf4 on GPU 3
+#     q23   GPUs 2,3: lora30mbs (the seed case at micro batch 2), profile vlm, then run_issue49_gpu.sh fp8gemm's 30B pair
+#           again (the dequantized side now without per-expert bookkeeping: lora/grouped_base.py), fp8check (the 8B
+#           FP8 GEMMs profiled), then sweepnf4 on GPU 3
 # `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
 set -uo pipefail
 PLAN=${PLAN:?PLAN: s29 or s30}
@@ -47,6 +48,7 @@ run() {  # the stages of queue $1 of $PLAN
       export OUT=$Q
       CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/run_issue47_gpu.sh lora30mbs
       CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/run_issue47_gpu.sh profile vlm
+      ONLY30=1 GPU30=2 GPU30B=3 STEPS30=30 TIME_LIMIT=300 bash benchmarks/run_issue49_gpu.sh fp8gemm
       GPU=2 GPU8B=3 bash benchmarks/run_issue49_gpu.sh fp8check
       GPU=3 bash benchmarks/run_issue49_gpu.sh sweepnf4 ;;
   esac
