@@ -33,9 +33,9 @@ So between forward and backward only codes (fp8: 1 byte/element, nf4: 1/2) stay 
 bf16 copy of every layer's weights. The pack hook hands every other tensor to the saved-tensor
 hooks that were active around the call (activation offloading, a measurement), so it composes
 with them.
-Torch's grouped experts (model/torch_experts.py) hold one block [E, out, in] of codes per linear;
-the hooks sit on the experts module and materialise the block as one tensor whose rows are the
-experts' weights, so the grouped GEMM still reads it in place.
+Torch's grouped experts (model/torch_experts.py) hold one block [E, out, in] of codes per linear
+and skip the parameters altogether: their grouped GEMM takes the dequantized block from the record
+(lora/grouped_base.py), with no per-expert views or placeholders per call.
 
 The parameters stay the model's (frozen, requires_grad=False): names, checkpoint keys and HF
 mappings unchanged; mcore's DDP and optimizer take only trainable ones (the adapters). Codes and
@@ -43,9 +43,10 @@ scales are non-persistent buffers of the owning module (they move with it, are n
 the base comes from the HF checkpoint). Merging (set_merged: merged export, generation) gives
 the parameter real data W' + scale B A; unmerging puts the placeholder back.
 
-With LoRAConfig.base_gemm "fp8" (lora/fp8_gemm.py) an FP8 base skips the dequantization in the
-forward: the owner's GEMM reads the codes and scales themselves (`direct`), and only its
-backward dequantizes, for the exact input gradient.
+An owner that computes from the record itself is `direct` (the hooks then leave its parameters
+alone): torch's grouped experts always, and with LoRAConfig.base_gemm "fp8" every adapted linear,
+whose forward multiplies the codes by FP8 GEMMs (lora/fp8_gemm.py); their backward dequantizes,
+for the exact input gradient.
 
 Transformer Engine (GPU, not done yet: LoRA's plan check refuses fp8 and nf4 with TE layers) can
 plug into the same record: its Linear / LayerNormLinear read `self.weight` (TEGroupedLinear:
@@ -170,7 +171,7 @@ class QuantizedWeights:
     shape: tuple  # of the codes: [out, in] or [E, out, in] (nf4, mxfp4: in / 2)
     codec: Codec = CODECS["fp8"]
     merged: bool = False  # the params hold real data (set_merged), the hooks leave them be
-    direct: bool = False  # the owner computes with the codes themselves (lora/fp8_gemm.py): no values per call
+    direct: bool = False  # the owner computes from the record (grouped_base.py, fp8_gemm.py): no values per call
     live: list = field(default_factory=list)  # the materialisations of calls in progress
 
     @property
