@@ -274,9 +274,10 @@ def _embeddings_require_grad(module, args, output):
 
 
 def quantize_bases(chunks, codec: Codec = CODECS["fp8"], fp8_gemm: bool = False) -> dict[str, float]:
-    """Hold every adapted base weight as `codec`'s codes (lora/quantized_base.py), multiplied by FP8
-    GEMMs with `fp8_gemm` (lora/fp8_gemm.py); returns the relative Frobenius error against the
-    loaded weights per kind ('linear_qkv', 'experts.linear_fc1', ...), over all ranks (collective)."""
+    """Hold every adapted base weight as `codec`'s codes (lora/quantized_base.py; torch's grouped
+    experts compute from them directly: lora/grouped_base.py), multiplied by FP8 GEMMs with
+    `fp8_gemm` (lora/fp8_gemm.py); returns the relative Frobenius error against the loaded weights
+    per kind ('linear_qkv', 'experts.linear_fc1', ...), over all ranks (collective)."""
     errors: dict[str, QuantizationError] = {}
     done: set = set()
     for name, adapter, model in adapters_of(chunks):
