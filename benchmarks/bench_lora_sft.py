@@ -40,7 +40,7 @@ from typing import Optional
 
 import lightning as L
 import torch
-from bench_pretrain import PEAK_BF16_TFLOPS, SHAPES, flops_per_token, profile_tables
+from bench_pretrain import PEAK_BF16_TFLOPS, SHAPES, StepProfile, flops_per_token
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mcore import GPTConfig, MegatronStrategy, OptimizerSettings
@@ -223,7 +223,7 @@ class Bench(L.Callback):
         self.time_limit = time_limit
         self.snapshot = snapshot if rank == 0 else None
         self.setup_peak_gb: Optional[float] = None
-        self.profile, self._prof = profile, None
+        self.profile = StepProfile(profile, f"rank{rank}", UNTIMED_STEPS) if profile else None
 
     def on_train_start(self, *a):
         """The peak of building and loading (a quantized base is built in bf16 first) is kept apart:
@@ -235,10 +235,8 @@ class Bench(L.Callback):
     def on_train_batch_start(self, *a):
         if self.snapshot and len(self.times) == 1:  # steps 2-4: past the first step's one-time allocations
             torch.cuda.memory._record_memory_history(max_entries=200_000)
-        if self.profile and len(self.times) == UNTIMED_STEPS:
-            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                            torch.profiler.ProfilerActivity.CUDA])
-            self._prof.__enter__()
+        if self.profile:
+            self.profile.start(len(self.times))
         torch.cuda.synchronize()
         self.t = time.perf_counter()
 
@@ -254,13 +252,8 @@ class Bench(L.Callback):
                                             "grad_norm": None if norm is None else round(float(norm), 5),
                                             "s": round(self.times[-1], 3),
                                             "allocated_gib": round(allocated, 2)}), flush=True)
-        if self._prof is not None and len(self.times) == UNTIMED_STEPS + 3:
-            self._prof.__exit__(None, None, None)
-            os.makedirs(self.profile, exist_ok=True)
-            with open(os.path.join(self.profile, f"rank{self.rank}.txt"), "w") as f:
-                f.write(f"steps {UNTIMED_STEPS + 1}-{UNTIMED_STEPS + 3}, step s {self.times[-3:]}\n"
-                        + profile_tables(self._prof))
-            self._prof = None
+        if self.profile:
+            self.profile.end(self.times)
         if self.snapshot and len(self.times) == 4:
             torch.cuda.memory._dump_snapshot(self.snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)

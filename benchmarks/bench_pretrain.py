@@ -231,6 +231,32 @@ class StepTimer:
                 "full_gc_ms": self.full_gc_ms}
 
 
+class StepProfile:
+    """torch.profiler over the 3 steps from step `first` (0-based; their times count in the run's
+    result: profile in a run of its own), written as profile_tables to DIR/<name>.txt."""
+
+    def __init__(self, out_dir: str, name: str, first: int) -> None:
+        self.out_dir, self.name, self.first, self.prof = out_dir, name, first, None
+
+    def start(self, step: int) -> None:
+        """Before step `step` (0-based)."""
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.__enter__()
+
+    def end(self, times: list) -> None:
+        """After a step; `times`: the step times so far."""
+        if self.prof is not None and len(times) == self.first + 3:
+            self.prof.__exit__(None, None, None)
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, f"{self.name}.txt"), "w") as f:
+                f.write(f"steps {self.first + 1}-{self.first + 3}, step s {times[-3:]}\n" + profile_tables(self.prof))
+            self.prof = None
+
+
 def profile_tables(prof, steps: int = 3) -> str:
     """A finished torch.profiler run as text: the ops by host time, then by device time, then how
     long the GPU sat idle between kernels and its largest gaps (what the host made it wait for)."""

@@ -56,29 +56,16 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-class StepProfile:
-    """torch.profiler over the first 3 timed steps (their times count in the result: profile in a run
-    of its own), written as bench_pretrain's tables to DIR/<name>.txt; nothing without a DIR."""
+def step_profile(out_dir, name: str):
+    """bench_pretrain's StepProfile over the first timed steps, or None without a DIR (bench_pretrain
+    imports lightning_mcore, which the HF side loads only to profile)."""
+    if not out_dir:
+        return None
+    from bench_pretrain import StepProfile  # here: see the docstring
 
-    def __init__(self, out_dir, name: str) -> None:
-        self.out_dir, self.name, self.prof = out_dir, name, None
+    return StepProfile(out_dir, name, UNTIMED_STEPS)
 
-    def start(self, step: int) -> None:
-        if self.out_dir and step == UNTIMED_STEPS:
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                               + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else []))
-            self.prof.__enter__()
 
-    def end(self, step: int, times: list) -> None:
-        """After step `step` (0-based), whose time is times[-1]."""
-        if self.prof is not None and step == UNTIMED_STEPS + 2:
-            from bench_pretrain import profile_tables  # here: bench_pretrain imports mcore
-
-            self.prof.__exit__(None, None, None)
-            os.makedirs(self.out_dir, exist_ok=True)
-            with open(os.path.join(self.out_dir, f"{self.name}.txt"), "w") as f:
-                f.write(f"steps {step - 1}-{step + 1} (1-based), step s {times[-3:]}\n" + profile_tables(self.prof))
-            self.prof = None
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -189,16 +176,20 @@ def ours(args) -> None:
     times = []
 
     class Timer(L.Callback):
-        def on_train_batch_start(self, trainer, *a):
+        def on_train_start(self, trainer, *a):
+            self.profile = step_profile(args.profile, f"rank{trainer.global_rank}")
+
+        def on_train_batch_start(self, *a):
             torch.cuda.synchronize() if CUDA else None
-            self.profile = getattr(self, "profile", StepProfile(args.profile, f"rank{trainer.global_rank}"))
-            self.profile.start(len(times))
+            if self.profile:
+                self.profile.start(len(times))
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, *a):
             torch.cuda.synchronize() if CUDA else None
             times.append(time.perf_counter() - self.t)
-            self.profile.end(len(times) - 1, times)
+            if self.profile:
+                self.profile.end(times)
 
     strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1, use_distributed_optimizer=CUDA,
                                 tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1)
@@ -236,10 +227,11 @@ def hf(args) -> None:
     per_step = (args.seq // sample_len) * args.gbs  # the same samples per step as ours
     times, k = [], 0
     t, h, w = args.grid
-    profile = StepProfile(args.profile, "hf")
+    profile = step_profile(args.profile, "hf")
     for step in range(args.steps):
         torch.cuda.synchronize() if CUDA else None
-        profile.start(step)
+        if profile:
+            profile.start(step)
         start = time.perf_counter()
         for _ in range(per_step // args.micro_batch):
             samples = [sample_tokens(config, args.text, tuple(args.grid), k + j) for j in range(args.micro_batch)]
@@ -256,7 +248,8 @@ def hf(args) -> None:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize() if CUDA else None
         times.append(time.perf_counter() - start)
-        profile.end(step, times)
+        if profile:
+            profile.end(times)
     steady = times[UNTIMED_STEPS:]
     result(args, "hf-compile" if args.compile else "hf-eager", sum(steady) / len(steady), per_step * sample_len,
            per_step * t * h * w, config, {"micro_batch": args.micro_batch, "samples_per_step": per_step})
