@@ -16,7 +16,9 @@
 #   sweepours30 ours as in pair30 at the largest micro batch up to 4 with selective, then full recompute, and at
 #               micro batch 1 (session 28 ran pair30 only at 2, where HF's best was at 4)
 #   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled at 1; compiled and checkpointed at 2, 4; eager at 1
-#   pair8b      ours TP=2 + SP, ours DP=NGPU (distributed optimizer), HF at the sweep's best (HF8B), interleaved
+#               (EAGER8B=0: not)
+#   pair8b      ours TP=2 + SP (TP8B=0: not), ours DP=NGPU (distributed optimizer), HF at the sweep's best (HF8B),
+#               interleaved
 #   sweeplora8b HF + FSDP2 + peft, LoRA r16 (alpha 32) on every linear, Llama-3-8B: compiled at 1, 2, 4;
 #               compiled and checkpointed at 4
 #   pairlora8b  ours (bench_lora_sft.py, DP=NGPU, micro batch 1) and HF at the sweep's best (HFLORA8B), twice
@@ -27,9 +29,10 @@
 #   lora30      ours only: all 48 layers of Qwen3-30B-A3B, LoRA r8 (alpha 32) on every linear, experts included, at
 #               EP=NGPU, global batch 8 of rows packing 4 samples, micro batch 1: full recompute (the recipe's), selective,
 #               none (the seed case of part 2: MFU and memory of each)
-#   lora30mbs   lora30's seed case at micro batch 2 (rows per rank allowing), full then selective recompute: fewer layer
+#   lora30mbs   lora30's seed case with full recompute at micro batch 4, then 2 (rows per rank allowing): fewer layer
 #               passes per token for a step that session 29's profile found host-bound (385 host waits a step at micro
-#               batch 1), within the recipe's 50 GB if they fit
+#               batch 1); checkpoints of 48 layers' inputs cost 0.8 GiB a row, so both stay within the recipe's
+#               50 GB (selective recompute and none were over it already at micro batch 1: 58.5 and 56.8 GB)
 #   vlm         Qwen2.5-VL-7B LoRA r16 (issue 47 part 2): ours data-parallel on NGPU GPUs (TP=1; the TP=2 + SP run
 #               was 0.43x HF per GPU, RESULTS.md session 9) and HF + peft compiled at micro batch 4 on one GPU, the
 #               same 16 samples of 1,022 tokens (one 392x392 image each) a step; interleaved, twice
@@ -38,7 +41,9 @@
 #               tables of three steps (HF's 10-12, ours' first three timed), one file per rank, in
 #               $OUT/${TAG}_profile_CASE/{hf,ours}/rank{N}.txt
 # A pair stage without its sweep's file uses the settings written below as fallbacks (the memory estimate's
-# choice), so the pairs can run first when time is short. Raw lines (each RESULT with its "label") go to
+# choice), so the pairs can run first when time is short; ROUNDS (default 2) sets a pair stage's interleaved
+# rounds. `profile 8b` profiles ours data-parallel, pair8b's faster layout (session 27: 10,691 against TP=2's
+# 8,479 tokens/s/GPU). Raw lines (each RESULT with its "label") go to
 # $OUT/${TAG}_<stage>.jsonl, logs to $OUT/${TAG}_<stage>.log; a pair stage ends with its ratios
 # (benchmarks/issue47_summary.py). Before the first stage: bash .gpu/kit/install.sh && source .gpu/kit/env.sh.
 # DRY_RUN=FILE: each command's GPU count, script and arguments go to FILE instead of running
@@ -78,6 +83,7 @@ GBS=8
 L30=${L30:-16}
 LORA30=${LORA30:-24}
 BUDGET=${BUDGET:-570}
+ROUNDS=${ROUNDS:-2}  # interleaved rounds of each pair stage
 stage=${1:?stage}
 case_=${2:-}
 name=$stage${case_:+_$case_}
@@ -143,7 +149,7 @@ case $stage in
     ours sweep 100 bench_pretrain.py $OURS30 $SWEEP --mbs 1 ;;
   pair30)
     HF30=${HF30:-$(best sweep30 "--mbs $(biggest 2) --ac --compile")}
-    for k in 1 2; do
+    for k in $(seq "$ROUNDS"); do
       ours "ours-ep$NGPU#$k" 90 bench_pretrain.py $OURS30 $PAIR
       hf "hf#$k" 120 $A30 $PAIR $HF30
     done
@@ -151,21 +157,21 @@ case $stage in
   sweep8b)
     hf sweep 120 $A8B $SWEEP --compile --mbs 1
     hf sweep 150 $A8B $SWEEP --compile --ac --mbs "$(mbs_list 2 4)"
-    hf sweep 90 $A8B $SWEEP --mbs 1 ;;
+    [ "${EAGER8B:-1}" = 1 ] && hf sweep 90 $A8B $SWEEP --mbs 1 ;;
   pair8b)
     HF8B=${HF8B:-$(best sweep8b "--mbs 1 --compile")}
-    for k in 1 2; do
-      ours "ours-tp2#$k" 90 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 $PAIR
+    for k in $(seq "$ROUNDS"); do
+      [ "${TP8B:-1}" = 1 ] && ours "ours-tp2#$k" 90 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 $PAIR
       ours "ours-dp$NGPU#$k" 90 bench_pretrain.py --impl lightning $A8B --mbs 1 $PAIR
       hf "hf#$k" 100 $A8B $PAIR $HF8B
     done
-    ratios ours-tp2; ratios "ours-dp$NGPU" ;;
+    [ "${TP8B:-1}" = 1 ] && ratios ours-tp2; ratios "ours-dp$NGPU" ;;
   sweeplora8b)
     hf sweep 150 $A8B $LORA $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
     hf sweep 100 $A8B $LORA $SWEEP --compile --ac --mbs "$(biggest 4)" ;;
   pairlora8b)
     HFLORA8B=${HFLORA8B:-$(best sweeplora8b "--mbs $(biggest 2) --compile")}
-    for k in 1 2; do
+    for k in $(seq "$ROUNDS"); do
       ours "ours-dp$NGPU#$k" 80 bench_lora_sft.py --shape llama-8b $OURS_LORA
       hf "hf#$k" 100 $A8B $LORA $PAIR $HFLORA8B
     done
@@ -175,7 +181,7 @@ case $stage in
     hf sweep 120 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --ac --mbs "$(biggest 4)" ;;
   pairlora30)
     HFLORA30=${HFLORA30:-$(best sweeplora30 "--mbs 1 --ac")}
-    for k in 1 2; do
+    for k in $(seq "$ROUNDS"); do
       ours "ours-ep$NGPU#$k" 100 bench_lora_sft.py --shape qwen3-30b-a3b --layers "$LORA30" --ep "$NGPU" $OURS_LORA
       hf "hf#$k" 150 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $PAIR $HFLORA30
     done
@@ -185,11 +191,11 @@ case $stage in
     ours selective 150 bench_lora_sft.py $SEED30 --mbs 1 --recompute-selective
     ours none 150 bench_lora_sft.py $SEED30 --mbs 1 ;;
   lora30mbs)
-    ours full-mbs2 150 bench_lora_sft.py $SEED30 --mbs "$(biggest 2)" --recompute
-    ours selective-mbs2 150 bench_lora_sft.py $SEED30 --mbs "$(biggest 2)" --recompute-selective ;;
+    ours "full-mbs$(biggest 4)" 150 bench_lora_sft.py $SEED30 --mbs "$(biggest 4)" --recompute
+    ours full-mbs2 150 bench_lora_sft.py $SEED30 --mbs "$(biggest 2)" --recompute ;;
   vlm)
     vl7b
-    for k in 1 2; do
+    for k in $(seq "$ROUNDS"); do
       ours "ours-dp$NGPU#$k" 120 bench_vlm_sft.py ours --model /tmp/vl7b --dp "$NGPU" --gbs 4 --steps 8
       one_gpu "hf#$k" 120 bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 4 --compile --steps 8
     done
@@ -200,8 +206,7 @@ case $stage in
     case $case_ in
       30b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py $OURS30 $P --profile
            hf hf 150 $A30 $P ${HF30:-$(best sweep30 "--mbs $(biggest 2) --ac --compile")} --profile-dir "$dir/hf" ;;
-      8b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 \
-            $P --profile
+      8b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py --impl lightning $A8B --mbs 1 $P --profile
           hf hf 150 $A8B $P $(best sweep8b "--mbs 1 --compile") --profile-dir "$dir/hf" ;;
       lora8b) ours ours 100 bench_lora_sft.py --shape llama-8b $OURS_LORA --profile "$dir/ours"
               hf hf 150 $A8B $LORA $P $(best sweeplora8b "--mbs $(biggest 2) --compile") --profile-dir "$dir/hf" ;;

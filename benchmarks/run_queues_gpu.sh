@@ -10,12 +10,14 @@
 #     q12   GPUs 1,2: run_issue47_gpu.sh profile seed30, lora8b and 30b (HF at session 28's sweep's fastest: micro
 #           batch 4, checkpointed, compiled), then sweepours30 (ours at micro batch 4 and 1, as HF was swept)
 #     q3    GPU 3: run_issue49_gpu.sh gptoss, then sweepqlora
-#   PLAN=s30 (the next session's)
-#     q01   GPUs 0,1: pair30 best against best, interleaved (ours: micro batch 4, selective recompute, session 29's
-#           sweep; HF: compiled, checkpointed, micro batch 4), then profile 8b, sweep8b and pair8b
-#     q23   GPUs 2,3: lora30mbs (the seed case at micro batch 2), profile vlm, then run_issue49_gpu.sh fp8gemm's 30B pair
-#           again (the dequantized side now without per-expert bookkeeping: lora/grouped_base.py), fp8check (the 8B
-#           FP8 GEMMs profiled), then sweepnf4 on GPU 3
+#   PLAN=s30 (issue 47's rows, two queues of ~1,400 s)
+#     q01   GPUs 0,1: pair30 best against best, one interleaved round (ours: micro batch 4, selective recompute,
+#           session 29's sweep; HF: compiled, checkpointed, micro batch 4, session 28's), sweep8b (no eager run),
+#           pair8b (ours data-parallel, the faster layout, against the sweep's best, two rounds), lora30mbs (the
+#           seed case at micro batch 4 and 2, full recompute), then profile 8b
+#     q23   GPUs 2,3: profile vlm, sweeplora8b, pairlora8b (one round), sweeplora30, pairlora30 (one round), then
+#           run_issue49_gpu.sh fp8gemm's 30B pair again if time is left (the dequantized side now without per-expert
+#           bookkeeping: lora/grouped_base.py)
 # `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
 set -uo pipefail
 PLAN=${PLAN:?PLAN: s29 or s30}
@@ -40,17 +42,20 @@ run() {  # the stages of queue $1 of $PLAN
       OUT=$Q GPU=3 bash benchmarks/run_issue49_gpu.sh sweepqlora ;;
     s30/q01)
       export CUDA_VISIBLE_DEVICES=0,1 OUT=$Q
-      OURS30_EXTRA="--mbs 4 --recompute selective" HF30="--mbs 4 --ac --compile" bash benchmarks/run_issue47_gpu.sh pair30
-      bash benchmarks/run_issue47_gpu.sh profile 8b
-      bash benchmarks/run_issue47_gpu.sh sweep8b
-      bash benchmarks/run_issue47_gpu.sh pair8b ;;
+      ROUNDS=1 OURS30_EXTRA="--mbs 4 --recompute selective" HF30="--mbs 4 --ac --compile" \
+        bash benchmarks/run_issue47_gpu.sh pair30
+      EAGER8B=0 bash benchmarks/run_issue47_gpu.sh sweep8b
+      TP8B=0 bash benchmarks/run_issue47_gpu.sh pair8b
+      bash benchmarks/run_issue47_gpu.sh lora30mbs
+      bash benchmarks/run_issue47_gpu.sh profile 8b ;;
     s30/q23)
-      export OUT=$Q
-      CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/run_issue47_gpu.sh lora30mbs
-      CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/run_issue47_gpu.sh profile vlm
-      ONLY30=1 GPU30=2 GPU30B=3 STEPS30=30 TIME_LIMIT=300 bash benchmarks/run_issue49_gpu.sh fp8gemm
-      GPU=2 GPU8B=3 bash benchmarks/run_issue49_gpu.sh fp8check
-      GPU=3 bash benchmarks/run_issue49_gpu.sh sweepnf4 ;;
+      export CUDA_VISIBLE_DEVICES=2,3 OUT=$Q
+      bash benchmarks/run_issue47_gpu.sh profile vlm
+      bash benchmarks/run_issue47_gpu.sh sweeplora8b
+      ROUNDS=1 bash benchmarks/run_issue47_gpu.sh pairlora8b
+      bash benchmarks/run_issue47_gpu.sh sweeplora30
+      ROUNDS=1 bash benchmarks/run_issue47_gpu.sh pairlora30
+      ONLY30=1 GPU30=2 GPU30B=3 STEPS30=30 TIME_LIMIT=300 bash benchmarks/run_issue49_gpu.sh fp8gemm ;;
   esac
   touch "$Q/$1.done"
 }

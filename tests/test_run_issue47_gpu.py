@@ -133,13 +133,14 @@ def test_sweepours30_runs_ours_at_pair30s_shape(gpus, tmp_path):
 
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_lora30mbs_runs_the_seed_case_at_a_larger_micro_batch(gpus, tmp_path):
-    """lora30's model, adapters and rows at micro batch 2 where each rank's rows allow it, with full then
-    selective recompute."""
+    """lora30's model, adapters and rows with full recompute at micro batch 4, then 2, where each rank's rows
+    allow it."""
     (_, seed), *_ = dry_run("lora30", gpus, tmp_path)
     commands = dry_run("lora30mbs", gpus, tmp_path)
     assert [s for s, _ in commands] == ["bench_lora_sft.py"] * 2
     args = [a for _, a in commands]
-    assert [(a.mbs, a.recompute, a.recompute_selective) for a in args] == [(2, True, False), (2, False, True)]
+    assert [(a.mbs, a.recompute, a.recompute_selective) for a in args] == [(min(4, 8 // gpus), True, False),
+                                                                           (2, True, False)]
     for a in args:
         assert (a.shape, a.layers, a.ep, a.rank, a.alpha, a.gbs, a.seq, a.samples_per_row, a.experts) == \
             (seed.shape, seed.layers, seed.ep, seed.rank, seed.alpha, seed.gbs, seed.seq, seed.samples_per_row,
@@ -155,3 +156,22 @@ def test_profile_vlm_profiles_the_vlm_pair(gpus, tmp_path):
     for (_, a), (_, b) in zip(profiled, pair):
         assert a.profile.endswith(f"_profile_vlm/{a.what}")
         assert {**vars(a), "profile": None} == vars(b)
+
+
+def test_pair_stage_switches(tmp_path):
+    """ROUNDS sets a pair stage's interleaved rounds, TP8B=0 leaves pair8b's TP=2 side out and EAGER8B=0 sweep8b's
+    eager run; profile 8b profiles ours data-parallel, pair8b's side that stays."""
+    full = dry_run("pair8b", 2, tmp_path)
+    assert [(s, getattr(a, "tp", None)) for s, a in full] == [("bench_pretrain.py", 2), ("bench_pretrain.py", 1),
+                                                              ("hf_fsdp2.py", None)] * 2
+    sweep = dry_run("sweep8b", 2, tmp_path)
+    (tmp_path / "cut").mkdir()
+    with mock.patch.dict(os.environ, {"ROUNDS": "1", "TP8B": "0", "EAGER8B": "0"}):
+        cut = dry_run("pair8b", 2, tmp_path / "cut")
+        assert [s for s, _ in dry_run("pair30", 2, tmp_path / "cut")] == ["bench_pretrain.py", "hf_fsdp2.py"]
+        assert [vars(a) for _, a in dry_run("sweep8b", 2, tmp_path / "cut")] == [vars(a) for _, a in sweep[:-1]]
+    assert [vars(a) for _, a in cut] == [vars(a) for _, a in full[1:3]]
+    assert not sweep[-1][1].compile
+    (_, ours), _ = dry_run("profile 8b", 2, tmp_path)
+    assert ours.profile and {**vars(ours), "profile": False, "steps": 0, "warmup": 0} == \
+        {**vars(cut[0][1]), "profile": False, "steps": 0, "warmup": 0}
