@@ -191,7 +191,8 @@ def ours(args) -> None:
             if self.profile:
                 self.profile.end(times)
 
-    strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=1, use_distributed_optimizer=CUDA,
+    strategy = MegatronStrategy(global_batch_size=args.gbs, micro_batch_size=args.micro_batch,
+                                use_distributed_optimizer=CUDA,
                                 tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1)
     devices = args.tp * args.dp
     trainer = L.Trainer(accelerator="gpu" if CUDA else "cpu", devices=devices, strategy=strategy, precision="bf16-mixed",
@@ -208,7 +209,8 @@ def ours(args) -> None:
         t, h, w = args.grid
         result(args, "ours", sum(steady) / len(steady), args.gbs * per_row * sample_len // devices,
                args.gbs * per_row * t * h * w // devices, config,
-               {"samples_per_row": per_row, "gbs_rows": args.gbs, "tp": args.tp, "dp": args.dp, "full": args.full})
+               {"samples_per_row": per_row, "gbs_rows": args.gbs, "tp": args.tp, "dp": args.dp, "full": args.full,
+                "micro_batch": args.micro_batch})
 
 
 def hf(args) -> None:
@@ -220,6 +222,10 @@ def hf(args) -> None:
         args.model, dtype=torch.bfloat16, attn_implementation="sdpa").to(DEVICE)
     model = peft.get_peft_model(model, peft.LoraConfig(
         r=args.rank, lora_alpha=2 * args.rank, target_modules=r".*language_model.*\.(" + "|".join(TARGETS) + ")"))
+    if args.vision_attention == "packed":
+        from lightning_mcore.model.vision_attention import use_packed_attention
+
+        use_packed_attention(model.get_base_model().model.visual)
     if args.compile:
         model.get_base_model().model.language_model.compile()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
@@ -252,7 +258,8 @@ def hf(args) -> None:
             profile.end(times)
     steady = times[UNTIMED_STEPS:]
     result(args, "hf-compile" if args.compile else "hf-eager", sum(steady) / len(steady), per_step * sample_len,
-           per_step * t * h * w, config, {"micro_batch": args.micro_batch, "samples_per_step": per_step})
+           per_step * t * h * w, config, {"micro_batch": args.micro_batch, "samples_per_step": per_step,
+                                          "vision_attention": args.vision_attention})
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -272,13 +279,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dp", type=int, default=1, help="ours: data-parallel ranks (devices = tp x dp)")
     ap.add_argument("--full", action="store_true",
                     help="ours: full fine-tuning (vision encoder included, distributed optimizer) instead of LoRA")
-    ap.add_argument("--micro-batch", type=int, default=1, help="samples per HF forward")
+    ap.add_argument("--micro-batch", type=int, default=1,
+                    help="HF: samples per forward; ours: rows per forward (each rank's rows, --gbs / --dp, allowing)")
+    ap.add_argument("--vision-attention", default="sdpa", choices=["sdpa", "packed"],
+                    help="HF's vision encoder: one SDPA call per window (transformers without flash-attn) or one "
+                         "packed call a block (model/vision_attention.py: what flash-attn's users get); ours packs")
     ap.add_argument("--compile", action="store_true", help="HF: torch.compile the language model")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="torch.profiler over the first 3 timed steps: DIR/rank{N}.txt (ours), DIR/hf.txt")
     args = ap.parse_args(argv)
     if args.gbs % args.dp:
         ap.error(f"--gbs {args.gbs} rows must divide over --dp {args.dp}")
+    if args.what == "ours" and (args.gbs // args.dp) % args.micro_batch:
+        ap.error(f"--micro-batch {args.micro_batch} must divide each rank's {args.gbs // args.dp} rows")
     return args
 
 

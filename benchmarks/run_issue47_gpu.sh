@@ -21,7 +21,8 @@
 #               interleaved
 #   sweeplora8b HF + FSDP2 + peft, LoRA r16 (alpha 32) on every linear, Llama-3-8B: compiled at 1, 2, 4;
 #               compiled and checkpointed at 4
-#   pairlora8b  ours (bench_lora_sft.py, DP=NGPU, micro batch 1) and HF at the sweep's best (HFLORA8B), twice
+#   pairlora8b  ours (bench_lora_sft.py, DP=NGPU, micro batch 1; OURS_LORA_EXTRA: more of its arguments) and HF at
+#               the sweep's best (HFLORA8B), twice
 #   sweeplora30 the same on LORA30 (24) layers of Qwen3-30B-A3B, the experts' adapters through peft's
 #               target_parameters: eager at 1, 2, 4; checkpointed at 4 (peft's parametrized experts break the
 #               compiled graph: hf_fsdp2.py's docstring)
@@ -36,6 +37,10 @@
 #   vlm         Qwen2.5-VL-7B LoRA r16 (issue 47 part 2): ours data-parallel on NGPU GPUs (TP=1; the TP=2 + SP run
 #               was 0.43x HF per GPU, RESULTS.md session 9) and HF + peft compiled at micro batch 4 on one GPU, the
 #               same 16 samples of 1,022 tokens (one 392x392 image each) a step; interleaved, twice
+#   vlmpacked   vlm after its profile (session 30: the GPU idle half the step, the vision encoder's 452 attention calls
+#               an image): ours with the vision encoder's windows attended in one packed call a block
+#               (model/vision_attention.py), at micro batch 1 and 2; HF with its vision encoder packed the same way (as
+#               flash-attn's users run it) and as transformers runs it without flash-attn (one SDPA call a window)
 #   profile CASE  CASE = 30b, 8b, lora8b, lora30, seed30 (lora30's full-recompute case, ours only) or vlm (vlm's pair,
 #               each side's steps 4-6, $OUT/${TAG}_profile_vlm/{ours/rank{N},hf/hf}.txt): torch.profiler
 #               tables of three steps (HF's 10-12, ours' first three timed), one file per rank, in
@@ -133,7 +138,7 @@ A8B="--shape llama-8b --gbs $GBS"
 LORA="--lora-rank 16 --lora-alpha 32 --data sft"
 OURS30="--impl lightning $A30 --ep $NGPU --mbs $(biggest 2) --set moe_permute_fusion=true --set moe_router_fusion=true --experts torch
   ${OURS30_EXTRA:-}"
-OURS_LORA="--rank 16 --alpha 32 --samples-per-row 1 --gbs $GBS --steps 10"
+OURS_LORA="--rank 16 --alpha 32 --samples-per-row 1 --gbs $GBS --steps 10 ${OURS_LORA_EXTRA:-}"
 SWEEP="--steps 8 --warmup 3"
 SEED30="--shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --seq 4096 --gbs $GBS --steps 12 --ep $NGPU --losses"
 PAIR="--steps 10 --warmup 4"
@@ -200,6 +205,13 @@ case $stage in
       one_gpu "hf#$k" 120 bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 4 --compile --steps 8
     done
     ratios "ours-dp$NGPU" ;;
+  vlmpacked)
+    vl7b
+    ours "ours-dp$NGPU" 120 bench_vlm_sft.py ours --model /tmp/vl7b --dp "$NGPU" --gbs 4 --steps 8
+    one_gpu hf-packed 120 bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 4 --compile --steps 8 \
+      --vision-attention packed
+    ours "ours-dp$NGPU-mbs2" 120 bench_vlm_sft.py ours --model /tmp/vl7b --dp "$NGPU" --gbs 4 --steps 8 --micro-batch 2
+    one_gpu hf 120 bench_vlm_sft.py hf --model /tmp/vl7b --micro-batch 4 --compile --steps 8 ;;
   profile)  # steps 10-12 of each side (rank files under $OUT/${TAG}_profile_CASE/)
     P="--steps 13 --warmup 10"
     dir=$OUT/${TAG}_profile_$case_

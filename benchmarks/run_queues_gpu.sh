@@ -18,6 +18,10 @@
 #     q23   GPUs 2,3: profile vlm, sweeplora8b, pairlora8b (one round), sweeplora30, pairlora30 (one round), then
 #           run_issue49_gpu.sh fp8gemm's 30B pair again if time is left (the dequantized side now without per-expert
 #           bookkeeping: lora/grouped_base.py)
+#   PLAN=s30b (session 30's second machine, ~300 s)
+#     qa    GPUs 0,1: tests/test_gpu_vision_attention.py on GPU 0, then vlmpacked
+#     qb    GPUs 2,3: pairlora30 again, ours at micro batch 4 (s30's ran ours at 1: 0.90x; the seed case ran 2.9x
+#           faster at 4 than at 1), HF at s30's sweep's best (micro batch 2, no checkpointing)
 # `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
 set -uo pipefail
 PLAN=${PLAN:?PLAN: s29 or s30}
@@ -26,8 +30,13 @@ export TAG=$PLAN PYTHONUNBUFFERED=1
 case $PLAN in
   s29) QUEUES="q0 q12 q3" ;;
   s30) QUEUES="q01 q23" ;;
-  *) echo "unknown PLAN $PLAN (s29, s30)"; exit 2 ;;
+  s30b) QUEUES="qa qb" ;;
+  *) echo "unknown PLAN $PLAN (s29, s30, s30b)"; exit 2 ;;
 esac
+# the GPU tests of test_gpu_vision_attention.py without pytest's runner (not on the GPU machine)
+GPU_TEST='import sys, tempfile, pathlib; sys.path[:0] = ["tests"]; import test_gpu_vision_attention as t
+t.test_kernel_against_segments_in_fp32(); print("passed kernel")
+t.test_encoder_against_transformers_in_bf16(pathlib.Path(tempfile.mkdtemp())); print("passed encoder")'
 run() {  # the stages of queue $1 of $PLAN
   case $PLAN/$1 in
     s29/q0) OUT=$Q CONTROL_GPU=0 TIME_LIMIT=${TIME_LIMIT:-900} bash benchmarks/run_issue49_gpu.sh fgcontrol ;;
@@ -56,6 +65,14 @@ run() {  # the stages of queue $1 of $PLAN
       bash benchmarks/run_issue47_gpu.sh sweeplora30
       ROUNDS=1 bash benchmarks/run_issue47_gpu.sh pairlora30
       ONLY30=1 GPU30=2 GPU30B=3 STEPS30=30 TIME_LIMIT=300 bash benchmarks/run_issue49_gpu.sh fp8gemm ;;
+    s30b/qa)
+      export CUDA_VISIBLE_DEVICES=0,1 OUT=$Q
+      if [ -n "${DRY_RUN:-}" ]; then echo "1 python -c GPU_TEST test_gpu_vision_attention" >> "$DRY_RUN"
+      else CUDA_VISIBLE_DEVICES=0 python -c "$GPU_TEST" > "$Q/${TAG}_gpu_test.log" 2>&1; fi
+      bash benchmarks/run_issue47_gpu.sh vlmpacked ;;
+    s30b/qb)
+      export CUDA_VISIBLE_DEVICES=2,3 OUT=$Q
+      ROUNDS=1 OURS_LORA_EXTRA="--mbs 4" HFLORA30="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora30 ;;
   esac
   touch "$Q/$1.done"
 }

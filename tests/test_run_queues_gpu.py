@@ -25,7 +25,7 @@ def planned(plan: str, queue: str, tmp_path) -> list[tuple[str, list[str]]]:
         if not line[:1].isdigit():
             continue  # the second line of run_issue49_gpu.sh's python -c (the GPU test)
         if words[:2] == ["python", "-c"]:
-            assert "test_gpu_lora_fp8_gemm" in line
+            assert "test_gpu_" in line
             continue
         while words[0] in ("python", "torchrun", "--standalone", "--nproc-per-node") or words[0].isdigit():
             words = words[1:]  # run_issue49_gpu.sh's launcher
@@ -33,7 +33,8 @@ def planned(plan: str, queue: str, tmp_path) -> list[tuple[str, list[str]]]:
     return commands
 
 
-@pytest.mark.parametrize("plan, queues", [("s29", ["q0", "q12", "q3"]), ("s30", ["q01", "q23"])])
+@pytest.mark.parametrize("plan, queues", [("s29", ["q0", "q12", "q3"]), ("s30", ["q01", "q23"]),
+                                            ("s30b", ["qa", "qb"])])
 def test_every_queued_command_parses(plan, queues, tmp_path):
     for queue in queues:
         (tmp_path / queue).mkdir()

@@ -4,8 +4,8 @@ transformers' own vision encoder + merger.
 The decoder is our mcore GPTModel (its table is the text family's, under the checkpoint's
 prefix); the vision encoder is the transformers module itself, built from config.json's
 vision_config and kept replicated on every tensor-parallel rank of the first pipeline stage (a
-few percent of the model's FLOPs: exact by construction, and nothing to re-implement). Its
-tensors map one to one. A family module sets the names below.
+few percent of the model's FLOPs: exact by construction, and nothing to re-implement); it attends
+each batch's windows in one packed call (model/vision_attention.py). Its tensors map one to one. A family module sets the names below.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import transformers
 
 from lightning_mcore.hf.config import HFCheckpointError
 from lightning_mcore.model.config import GPTConfig, MRoPEConfig, VisionConfig
+from lightning_mcore.model.vision_attention import use_packed_attention
 from lightning_mcore.models import parts
 from lightning_mcore.models.architecture import Architecture, HFConfig
 
@@ -98,4 +99,4 @@ class VisionLanguage(Architecture):
         module = importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
         config = importlib.import_module(f"transformers.models.{self.model_type}.configuration_{self.model_type}")
         encoder = getattr(module, self.vision_class)
-        return encoder._from_config(getattr(config, self.vision_config_class)(**cfg.vision.hf))
+        return use_packed_attention(encoder._from_config(getattr(config, self.vision_config_class)(**cfg.vision.hf)))
