@@ -22,6 +22,10 @@
 #     qa    GPUs 0,1: tests/test_gpu_vision_attention.py on GPU 0, then vlmpacked
 #     qb    GPUs 2,3: pairlora30 again, ours at micro batch 4 (s30's ran ours at 1: 0.90x; the seed case ran 2.9x
 #           faster at 4 than at 1), HF at s30's sweep's best (micro batch 2, no checkpointing)
+#   PLAN=s31 (the next session's: issue 47's pairs on 4 GPUs, which its text asks for when a 4-GPU kind is lent)
+#     q4    all 4 GPUs, NGPU=4, one stage after another in order of worth: sweep30 and pair30 (ours at EP=4 with
+#           selective recompute, micro batch 2: each rank's 2 rows), sweep8b and pair8b (ours DP=4), sweeplora30
+#           and pairlora30 (ours at micro batch 2), then sweeplora8b and pairlora8b; one interleaved round each
 # `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
 set -uo pipefail
 PLAN=${PLAN:?PLAN: s29 or s30}
@@ -31,7 +35,8 @@ case $PLAN in
   s29) QUEUES="q0 q12 q3" ;;
   s30) QUEUES="q01 q23" ;;
   s30b) QUEUES="qa qb" ;;
-  *) echo "unknown PLAN $PLAN (s29, s30, s30b)"; exit 2 ;;
+  s31) QUEUES="q4" ;;
+  *) echo "unknown PLAN $PLAN (s29, s30, s30b, s31)"; exit 2 ;;
 esac
 # the GPU tests of test_gpu_vision_attention.py without pytest's runner (not on the GPU machine)
 GPU_TEST='import sys, tempfile, pathlib; sys.path[:0] = ["tests"]; import test_gpu_vision_attention as t
@@ -73,6 +78,16 @@ run() {  # the stages of queue $1 of $PLAN
     s30b/qb)
       export CUDA_VISIBLE_DEVICES=2,3 OUT=$Q
       ROUNDS=1 OURS_LORA_EXTRA="--mbs 4" HFLORA30="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora30 ;;
+    s31/q4)
+      export NGPU=4 CUDA_VISIBLE_DEVICES=0,1,2,3 OUT=$Q ROUNDS=1
+      bash benchmarks/run_issue47_gpu.sh sweep30
+      OURS30_EXTRA="--recompute selective" bash benchmarks/run_issue47_gpu.sh pair30
+      EAGER8B=0 bash benchmarks/run_issue47_gpu.sh sweep8b
+      TP8B=0 bash benchmarks/run_issue47_gpu.sh pair8b
+      bash benchmarks/run_issue47_gpu.sh sweeplora30
+      OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora30
+      bash benchmarks/run_issue47_gpu.sh sweeplora8b
+      bash benchmarks/run_issue47_gpu.sh pairlora8b ;;
   esac
   touch "$Q/$1.done"
 }

@@ -101,6 +101,19 @@ _QLORA = "OUT=. TAG=s28 bash benchmarks/run_issue49_gpu.sh eight; OUT=. TAG=s28 
 # session 29: HF's QLoRA swept (GPU 3 of a 4-GPU machine); FP8 GEMMs against the dequantized FP8 base, side by side
 _SWEEPQLORA = "OUT=. TAG=s29 GPU=3 bash benchmarks/run_issue49_gpu.sh sweepqlora"
 _FP8GEMM = "OUT=. TAG=s29 STEPS30=30 TIME_LIMIT=300 bash benchmarks/run_issue49_gpu.sh fp8gemm"
+_FP8GEMM30 = "OUT=. TAG=s30 ONLY30=1 STEPS30=30 TIME_LIMIT=300 bash benchmarks/run_issue49_gpu.sh fp8gemm"
+# session 30's PLAN=s30 queues (run_queues_gpu.sh) as single stages
+_PAIR30 = ('ROUNDS=1 OURS30_EXTRA="--mbs 4 --recompute selective" HF30="--mbs 4 --ac --compile" OUT=. TAG=s30 '
+           'bash benchmarks/run_issue47_gpu.sh pair30')
+_PAIR8B = ("OUT=. TAG=s30 EAGER8B=0 bash benchmarks/run_issue47_gpu.sh sweep8b; "
+           "OUT=. TAG=s30 TP8B=0 bash benchmarks/run_issue47_gpu.sh pair8b")
+_PAIRLORA8B = ("OUT=. TAG=s30 bash benchmarks/run_issue47_gpu.sh sweeplora8b; "
+               "OUT=. TAG=s30 ROUNDS=1 bash benchmarks/run_issue47_gpu.sh pairlora8b")
+# session 30's second machine (PLAN=s30b)
+_VLMPACKED = "OUT=. TAG=s30b bash benchmarks/run_issue47_gpu.sh vlmpacked"
+_PAIRLORA30 = ("OUT=. TAG=s30 bash benchmarks/run_issue47_gpu.sh sweeplora30; "
+               'OUT=. TAG=s30b ROUNDS=1 OURS_LORA_EXTRA="--mbs 4" HFLORA30="--mbs 2" '
+               "bash benchmarks/run_issue47_gpu.sh pairlora30")
 _GRPO = f"CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/bench_moe_grpo.py grpo --model {_MOE_MODEL} --ep 1 --steps 3"
 
 
@@ -182,15 +195,13 @@ WORKLOADS = (
     Workload(
         name="dense-8b-fsdp2",
         what="Llama-3-8B shape, full fine-tuning, seq 4096, global batch 8, random tokens; ours data "
-             "parallel on 2 GPUs (distributed optimizer, micro batch 1) against transformers' model under "
-             "FSDP2 (fp32 master, bf16 compute, compiled, micro batch 1: the memory estimate's choice, not "
-             "yet a sweep's); one interleaved pair",
+             "parallel on 2 GPUs (distributed optimizer, micro batch 1; 97% of the step busy, profile_8b) against "
+             "transformers' model under FSDP2 (fp32 master, bf16 compute) at its sweep's fastest: compiled, "
+             "checkpointed, micro batch 4 (compiled at 1: 8,324; checkpointed at 2: 8,001); two interleaved pairs",
         device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0", unit="tokens/s/GPU",
-        ours=Side("lightning-mcore, DP=2", "OUT=. TAG=s27 BUDGET=320 bash benchmarks/run_issue47_gpu.sh pair8b",
-                  Reading(("2026-11-28/s27_pair8b.jsonl",), TOKENS, {"label": "ours-dp2"})),
-        baseline=Side("HF + FSDP2, compiled, micro batch 1",
-                      "OUT=. TAG=s27 BUDGET=320 bash benchmarks/run_issue47_gpu.sh pair8b",
-                      Reading(("2026-11-28/s27_pair8b.jsonl",), TOKENS, {"label": "hf"})),
+        ours=Side("lightning-mcore, DP=2", _PAIR8B, Reading(("2026-11-28/s30_pair8b.jsonl",), TOKENS, {"label": "ours-dp2"})),
+        baseline=Side("HF + FSDP2, compiled, checkpointed, micro batch 4", _PAIR8B,
+                      Reading(("2026-11-28/s30_pair8b.jsonl",), TOKENS, {"label": "hf"})),
         goals=(Goal(47, "≥ 1.3× HF + FSDP2", "ratio", 1.3),),
         paired=True,
     ),
@@ -198,26 +209,26 @@ WORKLOADS = (
         name="moe30b-16l-fsdp2",
         what="16 layers of Qwen3-30B-A3B (all 128 experts), full fine-tuning, seq 4096, global batch 8, random "
              "tokens; ours at EP=2 at its sweep's fastest (micro batch 4, selective recompute, torch's experts, the "
-             "fusions; session 29; micro batch 2 without recompute: 21,905) against transformers' model (its "
-             "grouped_mm experts) under FSDP2 at its sweep's fastest: compiled, checkpointed, micro batch 4 "
-             "(session 28, another machine of the same kind: not interleaved)",
+             "fusions; session 29's sweep: full recompute 20,394, micro batch 2 without recompute 21,905) against "
+             "transformers' model (its grouped_mm experts) under FSDP2 at its sweep's fastest (session 28): "
+             "compiled, checkpointed, micro batch 4; one interleaved pair",
         device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0", unit="tokens/s/GPU",
-        ours=Side("lightning-mcore, EP=2, micro batch 4, selective recompute",
-                  "CUDA_VISIBLE_DEVICES=1,2 OUT=. TAG=s29 BUDGET=360 bash benchmarks/run_issue47_gpu.sh sweepours30",
-                  Reading(("2026-11-28/s29_sweepours30.jsonl",), TOKENS,
-                          {"label": "sweep", "mbs": 4, "recompute": "selective"})),
-        baseline=Side("HF + FSDP2, compiled, checkpointed, micro batch 4",
-                      "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh sweep30",
-                      Reading(("2026-11-28/s28_sweep30.jsonl",), TOKENS, {"label": "sweep", "mbs": 4})),
+        ours=Side("lightning-mcore, EP=2, micro batch 4, selective recompute", _PAIR30,
+                  Reading(("2026-11-28/s30_pair30.jsonl",), TOKENS, {"label": "ours-ep2"})),
+        baseline=Side("HF + FSDP2, compiled, checkpointed, micro batch 4", _PAIR30,
+                      Reading(("2026-11-28/s30_pair30.jsonl",), TOKENS, {"label": "hf"})),
         goals=(Goal(47, "≥ 5× HF + FSDP2", "ratio", 5.0),),
+        paired=True,
     ),
     Workload(
         name="moe30b-lora-ep2",
         what="Qwen3-30B-A3B (48 layers), LoRA r8 on every linear including the experts, EP=2, global batch 8 "
-             "of rows packing 4 samples, micro batch 1, full recompute (the recipe's; 36 GB a GPU)",
+             "of rows packing 4 samples, full recompute (the recipe's), micro batch 4 (the recipe's since session "
+             "30: 46.1 GB a GPU; at 1, session 28's default: 3,418 tokens/s, 9.6%, 36.1 GB, a step found host-bound; "
+             "at 2: 6,407, 39.4 GB)",
         device=H200, gpus=2, versions=KIT, unit="tokens/s/GPU",
-        ours=Side("lightning-mcore, EP=2", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh lora30",
-                  Reading(("2026-11-28/s28_lora30.jsonl",), TOKENS, {"label": "full", "line": "RESULT"})),
+        ours=Side("lightning-mcore, EP=2", "OUT=. TAG=s30 bash benchmarks/run_issue47_gpu.sh lora30mbs",
+                  Reading(("2026-11-28/s30_lora30mbs.jsonl",), TOKENS, {"label": "full-mbs4"})),
         goals=(Goal(47, "MFU ≥ 25% (full-model FLOPs)", "mfu_full_model_flops", 0.25, unit="%"),),
     ),
     Workload(
@@ -230,6 +241,34 @@ WORKLOADS = (
                   Reading(("2026-11-28/s28_fg30.jsonl",), TOKENS, {"label": "fp8-1gpu", "line": "RESULT"})),
         baseline=Side("lightning-mcore, bf16 base, EP=2 on 2 GPUs", _BG30,
                       Reading(("2026-11-28/s28_fg30.jsonl",), TOKENS, {"label": "bf16-ep2", "line": "RESULT"})),
+    ),
+    Workload(
+        name="lora8b-fsdp2",
+        what="Llama-3-8B shape, LoRA r16 (alpha 32) on every linear, seq 4096, global batch 8 of one-sample rows "
+             "(loss on the second half); ours data parallel on 2 GPUs (micro batch 1, not swept) against "
+             "transformers + peft under FSDP2 at its sweep's fastest: compiled, micro batch 4 (at 1: 11,600; at 2: "
+             "12,752; checkpointed at 4: 10,303); one interleaved pair",
+        device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0", unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, DP=2", _PAIRLORA8B,
+                  Reading(("2026-11-28/s30_pairlora8b.jsonl",), TOKENS, {"label": "ours-dp2"})),
+        baseline=Side("HF + peft + FSDP2, compiled, micro batch 4", _PAIRLORA8B,
+                      Reading(("2026-11-28/s30_pairlora8b.jsonl",), TOKENS, {"label": "hf"})),
+        paired=True,
+    ),
+    Workload(
+        name="moe30b-lora-fsdp2",
+        what="24 layers of Qwen3-30B-A3B, LoRA r16 (alpha 32) on every linear including the experts, seq 4096, "
+             "global batch 8 of one-sample rows (loss on the second half); ours at EP=2 (micro batch 4, no recompute; "
+             "at micro batch 1 in session 30's pair: 10,874 against HF's 12,134) against transformers + peft (the "
+             "experts' adapters through target_parameters) under FSDP2 at its sweep's fastest: eager, micro batch 2 "
+             "(at 1: 9,040; at 4: 6,225, thrashing at 137 GiB; checkpointed at 4: 11,074; peft's parametrized "
+             "experts break the compiled graph); one interleaved pair",
+        device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0", unit="tokens/s/GPU",
+        ours=Side("lightning-mcore, EP=2, micro batch 4", _PAIRLORA30,
+                  Reading(("2026-11-28/s30b_pairlora30.jsonl",), TOKENS, {"label": "ours-ep2"})),
+        baseline=Side("HF + peft + FSDP2, eager, micro batch 2", _PAIRLORA30,
+                      Reading(("2026-11-28/s30b_pairlora30.jsonl",), TOKENS, {"label": "hf"})),
+        paired=True,
     ),
     Workload(
         name="lora8b-nf4-qlora",
@@ -253,12 +292,14 @@ WORKLOADS = (
         what="Qwen3-30B-A3B (48 layers), LoRA r8 on every linear over an FP8 base on ONE GPU (allocator capped at "
              "78 GiB), mcore's local layers, torch's grouped experts, full recompute, real text, seq 4096, global batch "
              "2, 30 steps: FP8 GEMMs on the codes (lora.base_gemm fp8) against the codes dequantized into bf16 GEMMs, "
-             "at the same time on two GPUs of one machine; the losses of the two agree within the runs' noise",
+             "at the same time on two GPUs of one machine, both computing the experts from the codes' block "
+             "(lora/grouped_base.py; session 29's pair, before it: 3,363 against 2,213); the losses agree within the "
+             "runs' noise",
         device=H200, gpus=1, versions=KIT, unit="tokens/s/GPU",
-        ours=Side("lightning-mcore, FP8 GEMMs", _FP8GEMM,
-                  Reading(("2026-11-28/s29_fp8gemm.jsonl",), TOKENS, {"label": "fp8gemm-30b", "line": "RESULT"})),
-        baseline=Side("lightning-mcore, the FP8 base dequantized into bf16 GEMMs", _FP8GEMM,
-                      Reading(("2026-11-28/s29_fp8gemm.jsonl",), TOKENS, {"label": "bf16gemm-30b", "line": "RESULT"})),
+        ours=Side("lightning-mcore, FP8 GEMMs", _FP8GEMM30,
+                  Reading(("2026-11-28/s30_fp8gemm.jsonl",), TOKENS, {"label": "fp8gemm-30b", "line": "RESULT"})),
+        baseline=Side("lightning-mcore, the FP8 base dequantized into bf16 GEMMs", _FP8GEMM30,
+                      Reading(("2026-11-28/s30_fp8gemm.jsonl",), TOKENS, {"label": "bf16gemm-30b", "line": "RESULT"})),
     ),
     Workload(
         name="lora8b-fp8gemm",
@@ -287,14 +328,16 @@ WORKLOADS = (
     Workload(
         name="vlm-7b-lora-dp2",
         what="Qwen2.5-VL-7B shape, LoRA r16 on the decoder, 1,022-token samples with one 392x392 image, 16 "
-             "per step; ours data parallel on 2 GPUs (4 samples packed per row; TP=2 + SP ran 0.43x, session "
-             "9), HF + peft on one GPU; two runs of ours, one of HF (its second was cut by the call's time)",
+             "per step; ours data parallel on 2 GPUs (4 samples packed per row, micro batches of 2 rows, the vision "
+             "encoder's windows in one packed call a block: model/vision_attention.py; at micro batch 1: 10,636), HF + "
+             "peft compiled on one GPU at micro batch 4 with its vision encoder packed the same way (as with "
+             "flash-attn; transformers' per-window SDPA: 9,584); one run each, interleaved",
         device=H200, gpus=2, versions=f"{KIT}, transformers 5.17.0, peft 0.21.0", unit="tokens/s/GPU",
         setup=f"python benchmarks/bench_vlm_sft.py make --out {_VLM}",
-        ours=Side("lightning-mcore, DP=2", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh vlm",
-                  Reading(("2026-11-28/s28_vlm.jsonl",), TOKENS, {"label": "ours-dp2"})),
-        baseline=Side("HF + peft compiled, micro batch 4, 1 GPU", "OUT=. TAG=s28 bash benchmarks/run_issue47_gpu.sh vlm",
-                      Reading(("2026-11-28/s28_vlm.jsonl",), TOKENS, {"label": "hf"})),
+        ours=Side("lightning-mcore, DP=2, micro batch 2", _VLMPACKED,
+                  Reading(("2026-11-28/s30b_vlmpacked.jsonl",), TOKENS, {"label": "ours-dp2-mbs2"})),
+        baseline=Side("HF + peft compiled, micro batch 4, vision encoder packed, 1 GPU", _VLMPACKED,
+                      Reading(("2026-11-28/s30b_vlmpacked.jsonl",), TOKENS, {"label": "hf-packed"})),
         goals=(Goal(47, "per GPU ≥ HF + peft on one GPU", "ratio", 1.0),),
     ),
     Workload(
