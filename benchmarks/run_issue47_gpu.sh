@@ -32,8 +32,8 @@
 #               none (the seed case of part 2: MFU and memory of each)
 #   lora30mbs   lora30's seed case with full recompute at micro batch 4, then 2 (rows per rank allowing): fewer layer
 #               passes per token for a step that session 29's profile found host-bound (385 host waits a step at micro
-#               batch 1); checkpoints of 48 layers' inputs cost 0.8 GiB a row, so both stay within the recipe's
-#               50 GB (selective recompute and none were over it already at micro batch 1: 58.5 and 56.8 GB)
+#               batch 1); checkpoints of 48 layers' inputs cost 0.8 GiB a row (selective recompute and none were over
+#               the issue's 50 GB already at micro batch 1: 58.5 and 56.8 GiB; session 30: 46.1 GiB at 4, 39.4 at 2)
 #   vlm         Qwen2.5-VL-7B LoRA r16 (issue 47 part 2): ours data-parallel on NGPU GPUs (TP=1; the TP=2 + SP run
 #               was 0.43x HF per GPU, RESULTS.md session 9) and HF + peft compiled at micro batch 4 on one GPU, the
 #               same 16 samples of 1,022 tokens (one 392x392 image each) a step; interleaved, twice

@@ -23,7 +23,8 @@
 #     qb    GPUs 2,3: pairlora30 again, ours at micro batch 4 (s30's ran ours at 1: 0.90x; the seed case ran 2.9x
 #           faster at 4 than at 1), HF at s30's sweep's best (micro batch 2, no checkpointing)
 #   PLAN=s31 (the next session's: issue 47's pairs on 4 GPUs, which its text asks for when a 4-GPU kind is lent)
-#     q4    all 4 GPUs, NGPU=4, one stage after another in order of worth: sweep30 and pair30 (ours at EP=4 with
+#     q4    the GPU tests of the packed vision attention (the kernel's backward: whether a trained vision encoder
+#           may take it), then all 4 GPUs, NGPU=4, one stage after another in order of worth: sweep30 and pair30 (ours at EP=4 with
 #           selective recompute, micro batch 2: each rank's 2 rows), sweep8b and pair8b (ours DP=4), sweeplora30
 #           and pairlora30 (ours at micro batch 2), then sweeplora8b and pairlora8b; one interleaved round each
 # `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
@@ -41,7 +42,12 @@ esac
 # the GPU tests of test_gpu_vision_attention.py without pytest's runner (not on the GPU machine)
 GPU_TEST='import sys, tempfile, pathlib; sys.path[:0] = ["tests"]; import test_gpu_vision_attention as t
 t.test_kernel_against_segments_in_fp32(); print("passed kernel")
-t.test_encoder_against_transformers_in_bf16(pathlib.Path(tempfile.mkdtemp())); print("passed encoder")'
+t.test_encoder_against_transformers_in_bf16(pathlib.Path(tempfile.mkdtemp())); print("passed encoder")
+t.test_kernel_backward_against_segments_in_fp32(); print("passed backward")'
+gpu_test() {  # on GPU 0, into $Q/${TAG}_gpu_test.log
+  if [ -n "${DRY_RUN:-}" ]; then echo "1 python -c GPU_TEST test_gpu_vision_attention" >> "$DRY_RUN"
+  else CUDA_VISIBLE_DEVICES=0 python -c "$GPU_TEST" > "$Q/${TAG}_gpu_test.log" 2>&1; fi
+}
 run() {  # the stages of queue $1 of $PLAN
   case $PLAN/$1 in
     s29/q0) OUT=$Q CONTROL_GPU=0 TIME_LIMIT=${TIME_LIMIT:-900} bash benchmarks/run_issue49_gpu.sh fgcontrol ;;
@@ -72,14 +78,14 @@ run() {  # the stages of queue $1 of $PLAN
       ONLY30=1 GPU30=2 GPU30B=3 STEPS30=30 TIME_LIMIT=300 bash benchmarks/run_issue49_gpu.sh fp8gemm ;;
     s30b/qa)
       export CUDA_VISIBLE_DEVICES=0,1 OUT=$Q
-      if [ -n "${DRY_RUN:-}" ]; then echo "1 python -c GPU_TEST test_gpu_vision_attention" >> "$DRY_RUN"
-      else CUDA_VISIBLE_DEVICES=0 python -c "$GPU_TEST" > "$Q/${TAG}_gpu_test.log" 2>&1; fi
+      gpu_test
       bash benchmarks/run_issue47_gpu.sh vlmpacked ;;
     s30b/qb)
       export CUDA_VISIBLE_DEVICES=2,3 OUT=$Q
       ROUNDS=1 OURS_LORA_EXTRA="--mbs 4" HFLORA30="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora30 ;;
     s31/q4)
       export NGPU=4 CUDA_VISIBLE_DEVICES=0,1,2,3 OUT=$Q ROUNDS=1
+      gpu_test
       bash benchmarks/run_issue47_gpu.sh sweep30
       OURS30_EXTRA="--recompute selective" bash benchmarks/run_issue47_gpu.sh pair30
       EAGER8B=0 bash benchmarks/run_issue47_gpu.sh sweep8b

@@ -39,3 +39,18 @@ def test_encoder_against_transformers_in_bf16(tmp_path):
     with torch.no_grad():
         want, got = (merged(m(pixels.cuda().bfloat16(), grid_thw=grid.cuda())) for m in (theirs, ours))
     torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6 * float(want.abs().max()))
+
+
+def test_kernel_backward_against_segments_in_fp32():
+    """The kernel's gradients, the check a trained encoder's flash path waits for (_runs_flash)."""
+    g = torch.Generator("cuda").manual_seed(1)
+    q, k, v = (torch.randn(600, 16, 80, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 64, 96, 400, 600], device="cuda", dtype=torch.int32)
+    out = vision_attention.varlen_attn(q, k, v, cu, cu, 304, 304)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want_out = vision_attention._by_segment(*ref, cu, cu, 0.0, None, False)
+    want = torch.autograd.grad(want_out, ref, grad.float())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b, rtol=0, atol=3e-2 * float(b.abs().max()))
