@@ -235,7 +235,8 @@ WORKLOADS = (
         name="moe30b-lora-fp8-1gpu",
         what="Qwen3-30B-A3B (48 layers), LoRA r8 on every linear, on ONE GPU over an FP8 base (torch's "
              "allocator capped at 78 GiB, as an 80 GB H100), mcore's local layers, full recompute, real text, "
-             "seq 4096, global batch 2, 200 steps; against the bf16 base at EP=2 on 2 GPUs (the same rows)",
+             "seq 4096, global batch 2, 200 steps; against the bf16 base at EP=2 on 2 GPUs (the same rows). Since "
+             "lora/grouped_base.py the one-GPU run does 3,834 (moe30b-lora-fp8gemm-1gpu's baseline, 30 steps)",
         device=H200, gpus=1, versions=KIT, unit="tokens/s/GPU",
         ours=Side("lightning-mcore, FP8 base, 1 GPU", _BG30,
                   Reading(("2026-11-28/s28_fg30.jsonl",), TOKENS, {"label": "fp8-1gpu", "line": "RESULT"})),
