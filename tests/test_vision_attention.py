@@ -84,6 +84,10 @@ def test_flash_kernel_is_called_with_torchs_layout():
             mock.patch.object(vision_attention, "_runs_flash", lambda *a: True):
         got, _ = packed_attention(torch.nn.Module(), q, k, v, cu_seq_lens_q=cu, max_length_q=6, scaling=0.3)
     assert seen["shape"] == (10, 3, 8) and seen["dtype"] == torch.int32 and seen["max"] == (6, 6)
+    with mock.patch.object(vision_attention, "varlen_attn", kernel), \
+            mock.patch.object(vision_attention, "_runs_flash", lambda *a: True):
+        again, _ = packed_attention(torch.nn.Module(), q, k, v, cu_seq_lens_q=cu, scaling=0.3)
+    assert seen["max"] == (6, 6) and torch.equal(again, got)  # the longest segment, when not given
     want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
         q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=0.3) for a, b in ((0, 4), (4, 10))], dim=2)
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-6)

@@ -44,11 +44,17 @@ def packed_attention(module, query, key, value, attention_mask=None, dropout: fl
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
     if _runs_flash(q, dropout, scaling):
         extra = {"scale": scaling} if _TAKES_SCALE and scaling is not None else {}
+        max_q = _longest(cu_seq_lens_q) if max_length_q is None else int(max_length_q)
+        max_k = _longest(cu_k) if max_length_k is None else int(max_length_k)
         out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q.int(), cu_k.int(),
-                          int(max_length_q), int(max_length_k or max_length_q), **extra)
+                          max_q, max_k, **extra)
     else:
         out = _by_segment(q, k, v, cu_seq_lens_q, cu_k, dropout, scaling, is_causal)
     return out.unsqueeze(0), None
+
+
+def _longest(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max())
 
 
 def _runs_flash(q: torch.Tensor, dropout: float, scaling) -> bool:
