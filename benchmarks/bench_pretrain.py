@@ -434,7 +434,7 @@ def run_lightning(cfg: GPTConfig, parallel: ParallelConfig, args, loader) -> Ste
 
     strategy = (BoundNccl if args.nccl_device_id else base)(
         **parallel.sizes(), sequence_parallel=parallel.sequence_parallel,
-        global_batch_size=args.gbs, micro_batch_size=args.mbs,
+        global_batch_size=args.gbs, micro_batch_size=args.mbs, overlap_param_gather=args.overlap_param_gather,
     )
     # the callback measures every `window` steps: the last of its windows ends with the last
     # step and lies inside the timed steps (all of them when the window divides the steps)
@@ -524,7 +524,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="raw and lightning: mcore keeps its own fp32 master copies (not TE's FusedAdam)")
     ap.add_argument("--no-wgrad-fusion", action="store_true",
                     help="raw only: TE layers return bf16 weight grads that DDP adds to main_grad")
+    ap.add_argument("--overlap-param-gather", action="store_true",
+                    help="lightning only: the distributed optimizer's parameter all-gather overlapped with the next "
+                         "forward (MegatronStrategy(overlap_param_gather=True)) instead of ending each step")
     args = ap.parse_args(argv)
+    if args.overlap_param_gather and args.impl != "lightning":
+        ap.error("--overlap-param-gather applies to --impl lightning only")
     if args.no_wgrad_fusion and args.impl != "raw":
         ap.error("--no-wgrad-fusion applies to --impl raw only (lightning-mcore always fuses with TE)")
     if args.init_device_context and args.impl != "raw":
@@ -609,7 +614,7 @@ def main() -> None:
             "recompute": args.recompute, "recompute_block": args.recompute_block,
             "moe_capacity": args.moe_capacity, "pinned_cpus_rank0": pinned, "layers": cfg.num_layers,
             "set": args.set, "cuda_graphs": args.cuda_graphs, "manual_gc": args.manual_gc, "experts": args.experts,
-            "nccl_device_id": args.nccl_device_id,
+            "nccl_device_id": args.nccl_device_id, "overlap_param_gather": args.overlap_param_gather,
             "init_device_context": args.init_device_context or (args.impl == "lightning"
                                                                 and not args.no_init_device_context),
             "seq": args.seq, "mbs": args.mbs, "gbs": args.gbs, "data": args.data,

@@ -19,6 +19,9 @@
 #               (EAGER8B=0: not)
 #   pair8b      ours TP=2 + SP (TP8B=0: not), ours DP=NGPU (distributed optimizer), HF at the sweep's best (HF8B),
 #               interleaved
+#   opg8b       pair8b's ours data-parallel without, then with the parameter all-gather overlapped with the next
+#               forward (--overlap-param-gather: 32 ms a step left serial in session 30's profile), each step's loss
+#               listed (the two must agree), then HF at the sweep's best
 #   sweeplora8b HF + FSDP2 + peft, LoRA r16 (alpha 32) on every linear, Llama-3-8B: compiled at 1, 2, 4;
 #               compiled and checkpointed at 4
 #   pairlora8b  ours (bench_lora_sft.py, DP=NGPU, micro batch 1; OURS_LORA_EXTRA: more of its arguments) and HF at
@@ -171,6 +174,11 @@ case $stage in
       hf "hf#$k" 100 $A8B $PAIR $HF8B
     done
     [ "${TP8B:-1}" = 1 ] && ratios ours-tp2; ratios "ours-dp$NGPU" ;;
+  opg8b)
+    HF8B=${HF8B:-$(best sweep8b "--mbs 1 --compile")}
+    ours "ours-dp$NGPU" 90 bench_pretrain.py --impl lightning $A8B --mbs 1 $PAIR --losses
+    ours "ours-dp$NGPU-opg" 90 bench_pretrain.py --impl lightning $A8B --mbs 1 $PAIR --losses --overlap-param-gather
+    hf hf 100 $A8B $PAIR $HF8B ;;
   sweeplora8b)
     hf sweep 150 $A8B $LORA $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
     hf sweep 100 $A8B $LORA $SWEEP --compile --ac --mbs "$(biggest 4)" ;;

@@ -19,7 +19,7 @@ import bench_vlm_sft  # noqa: E402
 import hf_fsdp2  # noqa: E402
 import issue47_summary  # noqa: E402
 
-STAGES = ["sweep30", "pair30", "sweep8b", "pair8b", "sweeplora8b", "pairlora8b", "sweeplora30", "pairlora30",
+STAGES = ["sweep30", "pair30", "sweep8b", "pair8b", "opg8b", "sweeplora8b", "pairlora8b", "sweeplora30", "pairlora30",
           "profile 30b", "profile 8b", "profile lora8b", "profile lora30"]
 PARSERS = {"hf_fsdp2.py": hf_fsdp2.parse_args, "bench_pretrain.py": bench_pretrain.parse_args,
            "bench_lora_sft.py": bench_lora_sft.parse_args, "bench_vlm_sft.py": bench_vlm_sft.parse_args}
@@ -175,3 +175,17 @@ def test_pair_stage_switches(tmp_path):
     (_, ours), _ = dry_run("profile 8b", 2, tmp_path)
     assert ours.profile and {**vars(ours), "profile": False, "steps": 0, "warmup": 0} == \
         {**vars(cut[0][1]), "profile": False, "steps": 0, "warmup": 0}
+
+
+def test_opg8b_differs_from_pair8b_by_the_overlapped_gather_only(tmp_path):
+    """Ours without, then with --overlap-param-gather, both listing their losses, else pair8b's ours; then HF."""
+    (_, ours), (_, hf) = dry_run("pair8b", 2, tmp_path)[1:3]
+    commands = dry_run("opg8b", 2, tmp_path)
+    assert [s for s, _ in commands] == ["bench_pretrain.py", "bench_pretrain.py", "hf_fsdp2.py"]
+    (_, plain), (_, opg), (_, hf2) = commands
+    assert plain.losses and opg.losses and not plain.overlap_param_gather and opg.overlap_param_gather
+    assert {**vars(opg), "overlap_param_gather": False} == vars(plain) == {**vars(ours), "losses": True}
+    assert vars(hf2) == vars(hf)
+    with pytest.raises(SystemExit):
+        bench_pretrain.parse_args(["--impl", "raw", "--overlap-param-gather"])
+
