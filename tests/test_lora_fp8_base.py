@@ -133,6 +133,9 @@ def computes_with_the_codes_and_saves_no_weight(experts: dict, precision: str, h
                 for adapter in chunk.lora.values():  # B != 0: A's gradient too
                     adapter.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
             shapes = {(tuple(w.shape), w.dtype) for w in weights}
+            # frozen torch experts reach autograd as one [E, out, in] view of their weights (model/torch_experts.py)
+            shapes |= {((len(m.local_experts), *getattr(m.local_experts[0], n).weight.shape), torch.bfloat16)
+                       for m in chunk.modules() if hasattr(m, "base_gemms") for n in ("linear_fc1", "linear_fc2")}
             weight_bytes = sum(w.numel() * w.element_size() for w in weights)
             if base == precision:
                 from lightning_mcore.lora.adapters import quantize_bases

@@ -243,3 +243,45 @@ def test_expert_weights_are_read_in_place_until_moved():
         copy = stacked(weights)
         assert copy.data_ptr() != weights[0].data_ptr()
         assert torch.equal(copy, torch.stack([w.detach() for w in weights]))
+
+
+def test_frozen_experts_reach_autograd_as_one_block():
+    """Frozen experts read in place (LoRA) enter the grouped GEMM as one [E, out, in] operand: the
+    same output and input gradient as one operand per expert, bit for bit, and the input is not
+    saved for a weight gradient nobody needs; trained experts keep one operand each."""
+    from lightning_mcore.export_checkpoint import single_process_megatron
+    from lightning_mcore.model import torch_experts
+    from lightning_mcore.model.build import build_chunks
+    from lightning_mcore.model.config import to_transformer_config
+
+    cfg = moe(num_layers=1, moe_grouped_gemm=True, moe_grouped_gemm_backend="torch")
+    with single_process_megatron():
+        tf_config = to_transformer_config(cfg, ParallelConfig(), torch.float32, on_cpu=True, use_te=False)
+        (chunk,) = build_chunks(cfg, tf_config, use_te=False)
+    experts = chunk.decoder.layers[0].mlp.experts
+    weights = [e.linear_fc1.weight for e in experts.local_experts]
+    counts = torch.tensor([3, 0, 5, 2] + [1] * (len(weights) - 4))
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), weights[0].shape[1], generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(x.shape[0], weights[0].shape[0], generator=torch.Generator().manual_seed(1))
+
+    def run(frozen: bool):
+        for w in weights:
+            w.requires_grad_(not frozen)
+        xi = x.clone().requires_grad_()
+        y = experts._linear("linear_fc1", xi, offsets)
+        (dx,) = torch.autograd.grad(y, [xi], dy, retain_graph=True)
+        return y, dx
+
+    y_block, dx_block = run(frozen=True)
+    assert type(y_block.grad_fn).__name__ == "StackedExpertLinearBackward"
+    assert y_block.grad_fn.saved_tensors[0] is None  # x: only a weight gradient would need it
+    y_each, dx_each = run(frozen=False)
+    assert type(y_each.grad_fn).__name__ == "GroupedExpertLinearBackward"
+    assert torch.equal(y_block, y_each) and torch.equal(dx_block, dx_each)
+    weights[1].data = weights[1].data.clone()  # moved out of the block: one operand per expert again
+    for w in weights:
+        w.requires_grad_(False)
+    assert torch_experts.stacked_view(weights) is None
+    y_moved = experts._linear("linear_fc1", x, offsets)
+    assert torch.equal(y_moved, y_each.detach())

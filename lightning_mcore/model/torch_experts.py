@@ -43,16 +43,22 @@ from lightning_mcore.model.generation_dispatcher import GenerationDispatcher, se
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm")
 
 
-def stacked(weights: list) -> torch.Tensor:
-    """The experts' weights [out, in] as one [E, out, in] tensor: a view where they lie back to
-    back in one storage, in expert order (as TorchGroupedMLP lays them out), else a stacked copy."""
+def stacked_view(weights: list) -> torch.Tensor | None:
+    """The experts' weights [out, in] as one [E, out, in] view where they lie back to back in one
+    storage, in expert order (as TorchGroupedMLP lays them out); None where they do not."""
     first = weights[0]
     step = first.numel() * first.element_size()
     if first.is_contiguous() and all(w.shape == first.shape and w.is_contiguous()
                                      and w.data_ptr() == first.data_ptr() + e * step
                                      for e, w in enumerate(weights)):
         return first.detach().as_strided((len(weights), *first.shape), (first.numel(), *first.stride()))
-    return torch.stack([w.detach() for w in weights])
+    return None
+
+
+def stacked(weights: list) -> torch.Tensor:
+    """The experts' weights as one [E, out, in] tensor: `stacked_view`, else a stacked copy."""
+    view = stacked_view(weights)
+    return torch.stack([w.detach() for w in weights]) if view is None else view
 
 
 def lay_out_back_to_back(weights: list) -> None:
@@ -87,12 +93,13 @@ class GroupedExpertLinear(torch.autograd.Function):
 
 
 class StackedExpertLinear(torch.autograd.Function):
-    """GroupedExpertLinear for weights already stacked, [E, out, in] (a LoRA adapter's A and B):
-    no per-call unbinding and restacking, which cost more host time than the GEMMs in decoding."""
+    """GroupedExpertLinear for weights already stacked, [E, out, in] (a LoRA adapter's A and B,
+    frozen experts' weights read in place): no per-call unbinding and restacking, which cost more
+    host time than the GEMMs in decoding, and one operand for autograd instead of one per expert."""
 
     @staticmethod
     def forward(ctx, x, offsets, weight):
-        ctx.save_for_backward(x, offsets, weight)
+        ctx.save_for_backward(x if weight.requires_grad else None, offsets, weight)  # x: the weight's gradient
         return grouped_mm(x, weight.transpose(1, 2), offs=offsets)
 
     @staticmethod
@@ -151,7 +158,12 @@ class TorchGroupedMLP(SequentialMLP):
         if gemm is not None and gemm.active:
             out = gemm(x, offsets)
         else:
-            out = GroupedExpertLinear.apply(x, offsets, *[getattr(e, name).weight for e in self.local_experts])
+            weights = [getattr(e, name).weight for e in self.local_experts]
+            block = None if any(w.requires_grad for w in weights) else stacked_view(weights)
+            if block is not None:  # frozen (LoRA) and in place: autograd sees one [E, out, in] operand
+                out = StackedExpertLinear.apply(x, offsets, block)
+            else:
+                out = GroupedExpertLinear.apply(x, offsets, *weights)
         adapter = self.lora_adapters.get(name)
         if adapter is not None and adapter.enabled and not adapter.merged:
             out = out + grouped_lora_update(adapter, x, offsets).to(out.dtype)
