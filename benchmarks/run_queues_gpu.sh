@@ -25,10 +25,11 @@
 #   PLAN=s31 (the next session's: issue 47's pairs on 4 GPUs, which its text asks for when a 4-GPU kind is lent)
 #     q4    the GPU tests of the packed vision attention (the kernel's backward: whether a trained vision encoder
 #           may take it), then all 4 GPUs, NGPU=4, one stage after another in order of worth: sweep30 and pair30 (ours at EP=4 with
-#           selective recompute, micro batch 2: each rank's 2 rows), sweep8b and pair8b (ours DP=4), sweeplora30
-#           and pairlora30 (ours at micro batch 2), sweeplora8b and pairlora8b (ours at micro batch 2: at 1 ours idled
-#           13% of session 29's profiled step), one interleaved round each; then
-#           opg8b and profile lora30 (the 30B LoRA pair's profile) if the device's time allows
+#           selective recompute, micro batch 2: each rank's 2 rows), sweeplora30 and pairlora30 (ours at micro
+#           batch 2), sweep8b and pair8b (ours DP=4), sweeplora8b and pairlora8b (ours at micro batch 2: at 1 ours
+#           idled 13% of session 29's profiled step), one interleaved round each (~2,050 s in all: more than one
+#           session's device time, so the 8B LoRA pair may be left for the next); then opg8b and profile lora30
+#           (the 30B LoRA pair's profile) if the device's time allows
 # `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
 set -uo pipefail
 PLAN=${PLAN:?PLAN: s29 or s30}
@@ -90,10 +91,10 @@ run() {  # the stages of queue $1 of $PLAN
       gpu_test
       bash benchmarks/run_issue47_gpu.sh sweep30
       OURS30_EXTRA="--recompute selective" bash benchmarks/run_issue47_gpu.sh pair30
-      EAGER8B=0 bash benchmarks/run_issue47_gpu.sh sweep8b
-      TP8B=0 bash benchmarks/run_issue47_gpu.sh pair8b
       bash benchmarks/run_issue47_gpu.sh sweeplora30
       OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora30
+      EAGER8B=0 bash benchmarks/run_issue47_gpu.sh sweep8b
+      TP8B=0 bash benchmarks/run_issue47_gpu.sh pair8b
       bash benchmarks/run_issue47_gpu.sh sweeplora8b
       OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora8b
       bash benchmarks/run_issue47_gpu.sh opg8b
