@@ -141,6 +141,7 @@ def generate_traced(strategy, chunks, prompts: list[list[int]], cfg, sampling: S
     refuse_too_long(prompts, sampling.max_new_tokens, cfg.seq_length)
     strategy = strategy() if callable(strategy) else strategy
     strategy.refuse_context_parallel("generate")
+    strategy.sync_weights()  # the last update on every rank (overlap_param_gather), decode graphs included
     shared = _expert_parallel_share(prompts, cfg)
     if shared is not None:  # every data-parallel rank generates all ranks' prompts
         parts, start = shared

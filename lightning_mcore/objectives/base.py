@@ -170,6 +170,7 @@ class MegatronModule(L.LightningModule):
         layout = self.check_hf_export(mode, lora_experts_layout)
         strategy = self._strategy()
         strategy.refuse_nonfinite_weights(f"the HF export {directory}")
+        strategy.sync_weights()
         chunks = list(self.chunks)
         padded = self.model_config.padded_vocab_size(strategy.parallel.tensor_model_parallel_size)
         protected = [self.init_checkpoint]

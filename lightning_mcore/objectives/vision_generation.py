@@ -51,6 +51,7 @@ def generate_vision_language(strategy, chunks, cfg, prompts: list[dict],
     if not prompts or sampling.max_new_tokens == 0:
         return [[] for _ in prompts]
     strategy.refuse_context_parallel("generate")
+    strategy.sync_weights()
     total = max(len(s) + sampling.max_new_tokens for s in sequences)
     merge, image = int(cfg.vision.hf.get("spatial_merge_size", 2)), cfg.vision.image_token_id
     positions = torch.stack([continued_positions(ids, grids, total, image, merge) for ids, _, grids in parts], dim=1)

@@ -510,8 +510,29 @@ class MegatronStrategy(DDPStrategy):
             for chunk in chunks:
                 chunk.zero_grad_buffer()
 
+        def after_update():  # the fit's last update reaches every rank's weights before anything reads them
+            trainer = self.lightning_module.trainer
+            if 0 < trainer.max_steps <= trainer.global_step + 1:
+                self.sync_weights()
+
         return MegatronOptimizer(opt, scheduler, zero_grad_buffers, self.mcore_context,
-                                 settings.on_nonfinite, lambda: self.lightning_module.trainer.global_step)
+                                 settings.on_nonfinite, lambda: self.lightning_module.trainer.global_step,
+                                 after_update)
+
+    def sync_weights(self) -> None:
+        """Collective: bring every rank's model weights up to date before they are read outside a
+        training forward. With `overlap_param_gather` the distributed optimizer all-gathers each
+        update during the next forward (mcore's forward pre-hooks), so until then each rank holds
+        its own shard of the update only. The strategy calls this before a checkpoint, validation,
+        testing, prediction, generation, an HF export, after the fit's last update and at its end;
+        a callback of one's own that reads weights between steps calls it too. A no-op without
+        the overlap."""
+        if not self.parallel.overlap_param_gather:
+            return
+        with self.mcore_context(), torch.no_grad():
+            for chunk in self.lightning_module.chunks:
+                if isinstance(chunk, DistributedDataParallel) and chunk.use_forward_hook:
+                    chunk.start_param_sync(force_sync=True)
 
     # ---------------------------------------------------------------- steps
     def check_training_rows(self, rows: int) -> None:
@@ -625,6 +646,22 @@ class MegatronStrategy(DDPStrategy):
         self._stopped_by = 0
         self._signals.install(forward, requeue, self._signal_group)
 
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self.sync_weights()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self.sync_weights()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self.sync_weights()
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        self.sync_weights()
+
     def _act_on_signals(self) -> None:
         """Collective: every rank stops (or saves and requeues) at the same step."""
         stop, requeue = self._signals.agreed()
@@ -667,6 +704,7 @@ class MegatronStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Optional[Any] = None) -> None:
         module = self.lightning_module
         self.refuse_nonfinite_weights(f"checkpoint {filepath}")
+        self.sync_weights()
         optimizer = self.optimizers[0] if self.optimizers else None
         extra = {
             "model_config": dataclasses.asdict(module.model_config),

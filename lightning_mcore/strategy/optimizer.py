@@ -181,7 +181,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
     """Lightning-facing wrapper of an mcore optimizer plus its LR schedule."""
 
     def __init__(self, optimizer, scheduler, zero_grad_buffers: Callable[[], None], compat,
-                 on_nonfinite: str = "stop", global_step: Callable[[], int] = lambda: 0) -> None:
+                 on_nonfinite: str = "stop", global_step: Callable[[], int] = lambda: 0,
+                 after_update: Callable[[], None] = lambda: None) -> None:
         # torch.optim.Optimizer.__init__ is skipped on purpose: the parameters live in mcore.
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -189,6 +190,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self._compat = compat  # context for mcore calls (CUDA-on-CPU mode on CPU)
         self.on_nonfinite = on_nonfinite
         self._global_step = global_step  # the trainer's, named in non-finite errors
+        self._after_update = after_update  # called once an update is applied (the strategy's)
         self.defaults = {}
         self.last_grad_norm: Optional[float] = None
         self.last_update_skipped = False
@@ -237,6 +239,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.last_update_skipped = not applied
         if applied:
             self.scheduler.step(increment=1)
+            self._after_update()
         return loss
 
     # mcore's ChainedOptimizer.step (prepare grads, norm, clip by that norm, update),
