@@ -42,7 +42,7 @@ def packed_attention(module, query, key, value, attention_mask=None, dropout: fl
                          f"one sequence); this module ({type(module).__name__}) called it otherwise")
     cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
-    if _runs_flash(q, dropout, scaling):
+    if not is_causal and _runs_flash(q, dropout, scaling):  # the encoders' calls are not causal
         extra = {"scale": scaling} if _TAKES_SCALE and scaling is not None else {}
         max_q = _longest(cu_seq_lens_q) if max_length_q is None else int(max_length_q)
         max_k = _longest(cu_k) if max_length_k is None else int(max_length_k)
