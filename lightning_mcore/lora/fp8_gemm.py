@@ -34,7 +34,6 @@ from lightning_mcore.lora.quantized_base import QuantizedWeights, row_scales, to
 from lightning_mcore.model.torch_experts import grouped_mm
 
 
-
 @functools.cache
 def _fused_to_e4m3():
     """to_e4m3 as one kernel (eager: three passes through an fp32 copy of the input)."""

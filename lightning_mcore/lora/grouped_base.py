@@ -21,7 +21,6 @@ from lightning_mcore.lora.quantized_base import QuantizedWeights
 from lightning_mcore.model.torch_experts import grouped_mm
 
 
-
 class DequantizedGroupedLinear(torch.autograd.Function):
     """y = x W_e'^T on each expert's rows (ending at `offsets`), W' dequantized per call and pass."""
 
