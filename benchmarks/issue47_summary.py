@@ -3,6 +3,7 @@ sweep's fastest settings, as hf_fsdp2.py arguments, and the interleaved pairs' r
 over HF + FSDP2's.
 
     python benchmarks/issue47_summary.py best s26_sweep30.jsonl --fallback "--mbs 2 --ac --compile"
+    python benchmarks/issue47_summary.py unfit s31_sweep8b.jsonl --mbs 1,2,4
     python benchmarks/issue47_summary.py ratios s26_pair30.jsonl --ours ours-ep2 --hf hf
 """
 
@@ -34,6 +35,20 @@ def best_args(results: list[dict]) -> str | None:
     return " ".join(f for f in flags if f)
 
 
+# A run that peaked above this (of an H200's 139 GiB) pays for it: the allocator frees and retries (session 30's
+# sweeplora30 at micro batch 4 without checkpointing: 137.0 GiB, half the speed of micro batch 2).
+CROWDED_GIB = 128
+
+
+def unfit(results: list[dict], mbs: list[int]) -> list[int]:
+    """The micro batches of `mbs` above the largest that an uncheckpointed run finished in room:
+    where activation checkpointing may buy a larger micro batch (at one that fits without it, it only
+    adds a forward)."""
+    fit = [r["mbs"] for r in results if r.get("impl") == "hf-fsdp2" and not r.get("oom")
+           and not r["hf"]["ac"] and (r.get("peak_mem_gb") or 0) <= CROWDED_GIB]
+    return [m for m in mbs if m > max(fit, default=0)]
+
+
 def ratio_lines(results: list[dict], ours: str, hf: str) -> list[str]:
     """Each pair's tokens/s per GPU (labels `ours#k` and `hf#k`), its ratio, and over 2 or more
     pairs their geometric mean with its 95% interval (pairs.py)."""
@@ -55,6 +70,9 @@ def main() -> None:
     best = sub.add_parser("best", help="print the sweep's fastest hf_fsdp2.py settings")
     best.add_argument("file")
     best.add_argument("--fallback", default="", help="printed when the file holds no finished run")
+    over = sub.add_parser("unfit", help="print the micro batches (comma-separated) that did not fit uncheckpointed")
+    over.add_argument("file")
+    over.add_argument("--mbs", required=True, help="the micro batches swept, e.g. 1,2,4")
     ratios = sub.add_parser("ratios", help="print ours over HF + FSDP2, per pair")
     ratios.add_argument("file")
     ratios.add_argument("--ours", required=True, help="our runs' label (before #k)")
@@ -62,6 +80,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.what == "best":
         print(best_args(read(args.file)) or args.fallback)
+    elif args.what == "unfit":
+        print(",".join(map(str, unfit(read(args.file), [int(m) for m in args.mbs.split(",")]))))
     else:
         print("\n".join(ratio_lines(read(args.file), args.ours, args.hf)) or "  no complete pair")
 

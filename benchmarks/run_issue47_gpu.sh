@@ -7,28 +7,29 @@
 # gradients and fp32 AdamW state (LoRA: a bf16 frozen base), random tokens (LoRA: bench_lora_sft's rows of one
 # sample, loss on the second half).
 #
-#   sweep30     HF + FSDP2, L30 (16) layers of Qwen3-30B-A3B, full FT: compiled and checkpointed at micro
-#               batch 1, 2, 4 (one process, ends at the first OOM), then compiled without checkpointing at 1,
-#               then eager and checkpointed at 2 (what compilation buys)
+#   Each sweep runs HF without activation checkpointing at micro batch 1, 2, 4 (those that divide each rank's
+#   rows; one process, which ends at the first OOM), then checkpointed only at those that did not fit, or fit
+#   crowded (over 128 GiB: issue47_summary.py unfit): at a micro batch that fits, checkpointing only adds a
+#   forward.
+#   sweep30     HF + FSDP2, L30 (16) layers of Qwen3-30B-A3B, full FT: compiled; then eager and checkpointed at 2
+#               (what compilation buys; EAGER30=0: not)
 #   pair30      ours at EP=NGPU (micro batch 2, permute and router fusions, torch's grouped GEMM; OURS30_EXTRA: more
 #               bench_pretrain.py arguments, e.g. sweepours30's fastest) and HF at the sweep's fastest settings (HF30
 #               to choose them), interleaved: ours, hf, ours, hf
 #   sweepours30 ours as in pair30 at the largest micro batch up to 4 with selective, then full recompute, and at
 #               micro batch 1 (session 28 ran pair30 only at 2, where HF's best was at 4)
-#   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled at 1; compiled and checkpointed at 2, 4; eager at 1
-#               (EAGER8B=0: not)
+#   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled; eager at 1 (EAGER8B=0: not)
 #   pair8b      ours TP=2 + SP (TP8B=0: not), ours DP=NGPU (distributed optimizer), HF at the sweep's best (HF8B),
 #               interleaved
 #   opg8b       pair8b's ours data-parallel without, then with the parameter all-gather overlapped with the next
 #               forward (--overlap-param-gather: 32 ms a step left serial in session 30's profile), each step's loss
 #               listed (the two must agree), then HF at the sweep's best
-#   sweeplora8b HF + FSDP2 + peft, LoRA r16 (alpha 32) on every linear, Llama-3-8B: compiled at 1, 2, 4;
-#               compiled and checkpointed at 4
+#   sweeplora8b HF + FSDP2 + peft, LoRA r16 (alpha 32) on every linear, Llama-3-8B: compiled
 #   pairlora8b  ours (bench_lora_sft.py, DP=NGPU, micro batch 1; OURS_LORA_EXTRA: more of its arguments) and HF at
 #               the sweep's best (HFLORA8B), twice
 #   sweeplora30 the same on LORA30 (24) layers of Qwen3-30B-A3B, the experts' adapters through peft's
-#               target_parameters: eager at 1, 2, 4; checkpointed at 4 (peft's parametrized experts break the
-#               compiled graph: hf_fsdp2.py's docstring)
+#               target_parameters: eager (peft's parametrized experts break the compiled graph: hf_fsdp2.py's
+#               docstring)
 #   pairlora30  ours (EP=NGPU) and HF at the sweep's best (HFLORA30), twice
 #   lora30      ours only: all 48 layers of Qwen3-30B-A3B, LoRA r8 (alpha 32) on every linear, experts included, at
 #               EP=NGPU, global batch 8 of rows packing 4 samples, micro batch 1: full recompute (the recipe's), selective,
@@ -48,6 +49,7 @@
 #               each side's steps 4-6, $OUT/${TAG}_profile_vlm/{ours/rank{N},hf/hf}.txt): torch.profiler
 #               tables of three steps (HF's 10-12, ours' first three timed), one file per rank, in
 #               $OUT/${TAG}_profile_CASE/{hf,ours}/rank{N}.txt
+#               (HF30, HFLORA30: the HF side's settings, as in the pair stages)
 # A pair stage without its sweep's file uses the settings written below as fallbacks (the memory estimate's
 # choice), so the pairs can run first when time is short; ROUNDS (default 2) sets a pair stage's interleaved
 # rounds. `profile 8b` profiles ours data-parallel, pair8b's faster layout (session 27: 10,691 against TP=2's
@@ -134,6 +136,10 @@ best() {  # the sweep stage's fastest HF settings, or the fallback
 vl7b() {  # the random Qwen2.5-VL-7B checkpoint both VLM sides load, made once
   [ -n "${DRY_RUN:-}" ] || [ -f /tmp/vl7b/config.json ] || python benchmarks/bench_vlm_sft.py make --out /tmp/vl7b >> "$LOG" 2>&1
 }
+unfit() {  # the micro batches of $2 that sweep stage $1's uncheckpointed runs did not fit (in room)
+  [ -n "${DRY_RUN:-}" ] && { echo "$2"; return; }
+  python benchmarks/issue47_summary.py unfit "$OUT/${TAG}_$1.jsonl" --mbs "$2"
+}
 ratios() { [ -z "${DRY_RUN:-}" ] && python benchmarks/issue47_summary.py ratios "$JSONL" --ours "$1" --hf hf | tee -a "$LOG"; }
 
 A30="--shape qwen3-30b-a3b --layers $L30 --gbs $GBS"
@@ -148,9 +154,9 @@ PAIR="--steps 10 --warmup 4"
 
 case $stage in
   sweep30)
-    hf sweep 200 $A30 $SWEEP --compile --ac --mbs "$(mbs_list 1 2 4)"
-    hf sweep 150 $A30 $SWEEP --compile --mbs 1
-    hf sweep 120 $A30 $SWEEP --ac --mbs "$(biggest 2)" ;;
+    hf sweep 200 $A30 $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
+    m=$(unfit sweep30 "$(mbs_list 1 2 4)"); [ -n "$m" ] && hf sweep 200 $A30 $SWEEP --compile --ac --mbs "$m"
+    [ "${EAGER30:-1}" = 1 ] && hf sweep 120 $A30 $SWEEP --ac --mbs "$(biggest 2)" ;;
   sweepours30)
     ours sweep 120 bench_pretrain.py $OURS30 $SWEEP --mbs "$(biggest 4)" --recompute selective
     ours sweep 120 bench_pretrain.py $OURS30 $SWEEP --mbs "$(biggest 4)" --recompute full
@@ -163,8 +169,8 @@ case $stage in
     done
     ratios "ours-ep$NGPU" ;;
   sweep8b)
-    hf sweep 120 $A8B $SWEEP --compile --mbs 1
-    hf sweep 150 $A8B $SWEEP --compile --ac --mbs "$(mbs_list 2 4)"
+    hf sweep 150 $A8B $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
+    m=$(unfit sweep8b "$(mbs_list 1 2 4)"); [ -n "$m" ] && hf sweep 150 $A8B $SWEEP --compile --ac --mbs "$m"
     [ "${EAGER8B:-1}" = 1 ] && hf sweep 90 $A8B $SWEEP --mbs 1 ;;
   pair8b)
     HF8B=${HF8B:-$(best sweep8b "--mbs 1 --compile")}
@@ -181,7 +187,7 @@ case $stage in
     hf hf 100 $A8B $PAIR $HF8B ;;
   sweeplora8b)
     hf sweep 150 $A8B $LORA $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
-    hf sweep 100 $A8B $LORA $SWEEP --compile --ac --mbs "$(biggest 4)" ;;
+    m=$(unfit sweeplora8b "$(mbs_list 1 2 4)"); [ -n "$m" ] && hf sweep 100 $A8B $LORA $SWEEP --compile --ac --mbs "$m" ;;
   pairlora8b)
     HFLORA8B=${HFLORA8B:-$(best sweeplora8b "--mbs $(biggest 2) --compile")}
     for k in $(seq "$ROUNDS"); do
@@ -191,7 +197,8 @@ case $stage in
     ratios "ours-dp$NGPU" ;;
   sweeplora30)
     hf sweep 200 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --mbs "$(mbs_list 1 2 4)"
-    hf sweep 120 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --ac --mbs "$(biggest 4)" ;;
+    m=$(unfit sweeplora30 "$(mbs_list 1 2 4)")
+    [ -n "$m" ] && hf sweep 120 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --ac --mbs "$m" ;;
   pairlora30)
     HFLORA30=${HFLORA30:-$(best sweeplora30 "--mbs 1 --ac")}
     for k in $(seq "$ROUNDS"); do
@@ -233,7 +240,7 @@ case $stage in
       lora30) ours ours 120 bench_lora_sft.py --shape qwen3-30b-a3b --layers "$LORA30" --ep "$NGPU" $OURS_LORA \
                 --profile "$dir/ours"
               hf hf 200 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $P \
-                $(best sweeplora30 "--mbs 1 --ac") --profile-dir "$dir/hf" ;;
+                ${HFLORA30:-$(best sweeplora30 "--mbs 1 --ac")} --profile-dir "$dir/hf" ;;
       seed30) ours ours 150 bench_lora_sft.py --shape qwen3-30b-a3b --experts torch --rank 8 --alpha 32 --gbs $GBS \
                 --mbs 1 --steps 7 --ep "$NGPU" --recompute --profile "$dir/ours" ;;  # lora30's recipe case, ours only
       vlm) vl7b

@@ -22,14 +22,18 @@
 #     qa    GPUs 0,1: tests/test_gpu_vision_attention.py on GPU 0, then vlmpacked
 #     qb    GPUs 2,3: pairlora30 again, ours at micro batch 4 (s30's ran ours at 1: 0.90x; the seed case ran 2.9x
 #           faster at 4 than at 1), HF at s30's sweep's best (micro batch 2, no checkpointing)
-#   PLAN=s31 (the next session's: issue 47's pairs on 4 GPUs, which its text asks for when a 4-GPU kind is lent)
-#     q4    the GPU tests of the packed vision attention (the kernel's backward: whether a trained vision encoder
-#           may take it), then all 4 GPUs, NGPU=4, one stage after another in order of worth: sweep30 and pair30 (ours at EP=4 with
-#           selective recompute, micro batch 2: each rank's 2 rows), sweeplora30 and pairlora30 (ours at micro
-#           batch 2), sweep8b and pair8b (ours DP=4), sweeplora8b and pairlora8b (ours at micro batch 2: at 1 ours
-#           idled 13% of session 29's profiled step), one interleaved round each (~2,050 s in all: more than one
-#           session's device time, so the 8B LoRA pair may be left for the next); then opg8b and profile lora30
-#           (the 30B LoRA pair's profile) if the device's time allows
+#   PLAN=s31 (issue 47's pairs on 4 GPUs, which its text asks for when a 4-GPU kind is lent, after two 2-GPU
+#   queues side by side)
+#     q01   GPUs 0,1: profile lora30 (s30b's 2-GPU 30B LoRA pair, 2.15x, not yet profiled: ours at micro batch 4, HF
+#           at its sweep's best, micro batch 2 without checkpointing)
+#     q23   GPUs 2,3: the GPU tests of the packed vision attention (the kernel's backward: whether a trained vision
+#           encoder may take it), then opg8b (the parameter all-gather overlapped: the lever session 30's 8B profile
+#           named, where 1.3x was missed by 3%; HF at s30's best, micro batch 4, checkpointed and compiled)
+#     q4    after q01 and q23, all 4 GPUs (NGPU=4), one stage after another in order of worth, one interleaved round
+#           each: sweep30 and pair30 (ours at EP=4, micro batch 2 without recompute: its state is half of EP=2's),
+#           sweeplora30 and pairlora30 (ours at micro batch 2), sweep8b and pair8b (ours DP=4), sweeplora8b and
+#           pairlora8b (ours at micro batch 2); the sweeps checkpoint only where a micro batch did not fit
+#           (~1,200 s; ~1,500 s with the 2-GPU queues)
 # `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
 set -uo pipefail
 PLAN=${PLAN:?PLAN: s29 or s30}
@@ -39,7 +43,7 @@ case $PLAN in
   s29) QUEUES="q0 q12 q3" ;;
   s30) QUEUES="q01 q23" ;;
   s30b) QUEUES="qa qb" ;;
-  s31) QUEUES="q4" ;;
+  s31) QUEUES="q01 q23 q4" ;;
   *) echo "unknown PLAN $PLAN (s29, s30, s30b, s31)"; exit 2 ;;
 esac
 # the GPU tests of test_gpu_vision_attention.py without pytest's runner (not on the GPU machine)
@@ -47,9 +51,10 @@ GPU_TEST='import sys, tempfile, pathlib; sys.path[:0] = ["tests"]; import test_g
 t.test_kernel_against_segments_in_fp32(); print("passed kernel")
 t.test_encoder_against_transformers_in_bf16(pathlib.Path(tempfile.mkdtemp())); print("passed encoder")
 t.test_kernel_backward_against_segments_in_fp32(); print("passed backward")'
-gpu_test() {  # on GPU 0, into $Q/${TAG}_gpu_test.log
+gpu_test() {  # on the queue's first GPU, into $Q/${TAG}_gpu_test.log
+  local first=${CUDA_VISIBLE_DEVICES:-0}
   if [ -n "${DRY_RUN:-}" ]; then echo "1 python -c GPU_TEST test_gpu_vision_attention" >> "$DRY_RUN"
-  else CUDA_VISIBLE_DEVICES=0 python -c "$GPU_TEST" > "$Q/${TAG}_gpu_test.log" 2>&1; fi
+  else CUDA_VISIBLE_DEVICES=${first%%,*} python -c "$GPU_TEST" > "$Q/${TAG}_gpu_test.log" 2>&1; fi
 }
 run() {  # the stages of queue $1 of $PLAN
   case $PLAN/$1 in
@@ -86,19 +91,24 @@ run() {  # the stages of queue $1 of $PLAN
     s30b/qb)
       export CUDA_VISIBLE_DEVICES=2,3 OUT=$Q
       ROUNDS=1 OURS_LORA_EXTRA="--mbs 4" HFLORA30="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora30 ;;
-    s31/q4)
-      export NGPU=4 CUDA_VISIBLE_DEVICES=0,1,2,3 OUT=$Q ROUNDS=1
+    s31/q01)
+      export CUDA_VISIBLE_DEVICES=0,1 OUT=$Q
+      OURS_LORA_EXTRA="--mbs 4" HFLORA30="--mbs 2" bash benchmarks/run_issue47_gpu.sh profile lora30 ;;
+    s31/q23)
+      export CUDA_VISIBLE_DEVICES=2,3 OUT=$Q
       gpu_test
+      HF8B="--mbs 4 --ac --compile" bash benchmarks/run_issue47_gpu.sh opg8b ;;
+    s31/q4)
+      [ -n "${DRY_RUN:-}" ] || while [ ! -f "$Q/q01.done" ] || [ ! -f "$Q/q23.done" ]; do sleep 2; done
+      export NGPU=4 CUDA_VISIBLE_DEVICES=0,1,2,3 OUT=$Q ROUNDS=1 EAGER30=0 EAGER8B=0
       bash benchmarks/run_issue47_gpu.sh sweep30
-      OURS30_EXTRA="--recompute selective" bash benchmarks/run_issue47_gpu.sh pair30
+      bash benchmarks/run_issue47_gpu.sh pair30
       bash benchmarks/run_issue47_gpu.sh sweeplora30
       OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora30
-      EAGER8B=0 bash benchmarks/run_issue47_gpu.sh sweep8b
+      bash benchmarks/run_issue47_gpu.sh sweep8b
       TP8B=0 bash benchmarks/run_issue47_gpu.sh pair8b
       bash benchmarks/run_issue47_gpu.sh sweeplora8b
-      OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora8b
-      bash benchmarks/run_issue47_gpu.sh opg8b
-      OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh profile lora30 ;;
+      OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora8b ;;
   esac
   touch "$Q/$1.done"
 }

@@ -88,6 +88,15 @@ def test_summary_picks_the_fastest_run_and_divides_pairs():
               "hf": {"ac": True, "compile": True, "reshard_after_forward": False}}]
     assert issue47_summary.best_args(sweep) == "--mbs 2 --ac --compile --no-reshard"
     assert issue47_summary.best_args(sweep[1:2]) is None
+    # checkpointing only where an uncheckpointed run did not fit, or fit crowded (137 GiB: session 30's slowest)
+    plain = [{"impl": "hf-fsdp2", "mbs": 1, "peak_mem_gb": 60.0, "hf": {"ac": False}},
+             {"impl": "hf-fsdp2", "mbs": 2, "oom": True, "hf": {"ac": False}},
+             {"impl": "hf-fsdp2", "mbs": 2, "peak_mem_gb": 50.0, "hf": {"ac": True}}]
+    assert issue47_summary.unfit(plain, [1, 2, 4]) == [2, 4]
+    assert issue47_summary.unfit(plain[:1], [1, 2]) == [2]
+    assert issue47_summary.unfit([{**plain[0], "mbs": 2}], [1, 2]) == []
+    assert issue47_summary.unfit([{**plain[0], "mbs": 2, "peak_mem_gb": 137.0}], [1, 2]) == [1, 2]
+    assert issue47_summary.unfit([], [1, 2]) == [1, 2]
     pairs = [{"label": "ours#1", "tokens_per_s_per_gpu": 6000}, {"label": "hf#1", "tokens_per_s_per_gpu": 1000},
              {"label": "ours#2", "tokens_per_s_per_gpu": 4000}, {"label": "hf#2", "tokens_per_s_per_gpu": 1000}]
     lines = issue47_summary.ratio_lines(pairs, "ours", "hf")
