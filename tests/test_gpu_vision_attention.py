@@ -42,7 +42,7 @@ def test_encoder_against_transformers_in_bf16(tmp_path):
 
 
 def test_kernel_backward_against_segments_in_fp32():
-    """The kernel's gradients, the check a trained encoder's flash path waits for (_runs_flash)."""
+    """The kernel's gradients: what lets a trained encoder take the flash path (_runs_flash)."""
     g = torch.Generator("cuda").manual_seed(1)
     q, k, v = (torch.randn(600, 16, 80, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(3))
     cu = torch.tensor([0, 64, 96, 400, 600], device="cuda", dtype=torch.int32)

@@ -94,13 +94,13 @@ def test_flash_kernel_is_called_with_torchs_layout():
     assert ("scale" in seen) == vision_attention._TAKES_SCALE
 
 
-def test_flash_kernel_serves_only_half_precision_gpu_calls_without_gradients():
+def test_flash_kernel_serves_only_half_precision_gpu_calls():
     q = torch.randn(5, 2, 8, dtype=torch.bfloat16)
     cuda = mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock, return_value=True)
     with cuda, mock.patch.object(vision_attention, "varlen_attn", object()):
         assert vision_attention._runs_flash(q, 0.0, 8 ** -0.5)
         assert not vision_attention._runs_flash(q.float(), 0.0, 8 ** -0.5)  # fp32
         assert not vision_attention._runs_flash(q, 0.1, 8 ** -0.5)  # dropout
-        assert not vision_attention._runs_flash(q.requires_grad_(), 0.0, 8 ** -0.5)  # a trained encoder
+        assert vision_attention._runs_flash(q.requires_grad_(), 0.0, 8 ** -0.5)  # a trained encoder too
     assert not vision_attention._runs_flash(q.detach(), 0.0, 8 ** -0.5)  # CPU
 

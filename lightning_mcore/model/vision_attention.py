@@ -10,9 +10,10 @@ boundaries (`cu_seq_lens_q`) to one call instead, the path flash-attn users get;
 serves that call with torch's own variable-length flash kernel (torch.nn.attention.varlen), so
 nothing outside torch is needed.
 
-Where that kernel cannot run (CPU, fp32, dropout, a torch without it) or the encoder is being trained
-(its backward is not yet checked on GPU), the windows are attended one by one with SDPA, as
-transformers does itself: the same values either way.
+Where that kernel cannot run (CPU, fp32, dropout, a torch without it), the windows are attended one by
+one with SDPA, as transformers does itself: the same values either way. Its backward serves a trained
+encoder: its gradients equal the per-segment ones in fp32 on an H200 (tests/test_gpu_vision_attention.py,
+benchmarks/RESULTS.md session 31).
 """
 
 from __future__ import annotations
@@ -58,12 +59,10 @@ def _longest(cu: torch.Tensor) -> int:
 
 
 def _runs_flash(q: torch.Tensor, dropout: float, scaling) -> bool:
-    """Whether the flash kernel serves this call. Not while the encoder trains (q needs a gradient):
-    the kernel's backward is not yet checked on a GPU here, so a trained encoder keeps the per-window
-    path."""
+    """Whether the flash kernel serves this call: half precision on a GPU, no dropout, a scale it takes."""
     default_scale = scaling is None or abs(scaling - q.shape[-1] ** -0.5) < 1e-12
     return (varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and dropout == 0.0 and (_TAKES_SCALE or default_scale) and not q.requires_grad)
+            and dropout == 0.0 and (_TAKES_SCALE or default_scale))
 
 
 def _by_segment(q, k, v, cu_q, cu_k, dropout, scaling, is_causal) -> torch.Tensor:
