@@ -18,9 +18,10 @@
 #               to choose them), interleaved: ours, hf, ours, hf
 #   sweepours30 ours as in pair30 at the largest micro batch up to 4 with selective, then full recompute, and at
 #               micro batch 1 (session 28 ran pair30 only at 2, where HF's best was at 4)
-#   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled; eager at 1 (EAGER8B=0: not)
-#   pair8b      ours TP=2 + SP (TP8B=0: not), ours DP=NGPU (distributed optimizer), HF at the sweep's best (HF8B),
-#               interleaved
+#   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled (SWEEP8B_MBS: other micro batches than 1 2 4); eager at
+#               1 (EAGER8B=0: not)
+#   pair8b      ours TP=2 + SP (TP8B=0: not), ours DP=NGPU (distributed optimizer; micro batch OURS8B_MBS, default
+#               1), HF at the sweep's best (HF8B), interleaved
 #   opg8b       pair8b's ours data-parallel without, then with the parameter all-gather overlapped with the next
 #               forward (--overlap-param-gather: 32 ms a step left serial in session 30's profile), each step's loss
 #               listed (the two must agree), then HF at the sweep's best
@@ -49,7 +50,7 @@
 #               each side's steps 4-6, $OUT/${TAG}_profile_vlm/{ours/rank{N},hf/hf}.txt): torch.profiler
 #               tables of three steps (HF's 10-12, ours' first three timed), one file per rank, in
 #               $OUT/${TAG}_profile_CASE/{hf,ours}/rank{N}.txt
-#               (HF30, HFLORA30: the HF side's settings, as in the pair stages)
+#               (HF30, HFLORA30: the HF side's settings, as in the pair stages; SIDES=ours: profile 30b's ours only)
 # A pair stage without its sweep's file uses the settings written below as fallbacks (the memory estimate's
 # choice), so the pairs can run first when time is short; ROUNDS (default 2) sets a pair stage's interleaved
 # rounds. `profile 8b` profiles ours data-parallel, pair8b's faster layout (session 27: 10,691 against TP=2's
@@ -169,14 +170,15 @@ case $stage in
     done
     ratios "ours-ep$NGPU" ;;
   sweep8b)
-    hf sweep 150 $A8B $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
-    m=$(unfit sweep8b "$(mbs_list 1 2 4)"); [ -n "$m" ] && hf sweep 150 $A8B $SWEEP --compile --ac --mbs "$m"
+    hf sweep 150 $A8B $SWEEP --compile --mbs "$(mbs_list ${SWEEP8B_MBS:-1 2 4})"
+    m=$(unfit sweep8b "$(mbs_list ${SWEEP8B_MBS:-1 2 4})")
+    [ -n "$m" ] && hf sweep 150 $A8B $SWEEP --compile --ac --mbs "$m"
     [ "${EAGER8B:-1}" = 1 ] && hf sweep 90 $A8B $SWEEP --mbs 1 ;;
   pair8b)
     HF8B=${HF8B:-$(best sweep8b "--mbs 1 --compile")}
     for k in $(seq "$ROUNDS"); do
       [ "${TP8B:-1}" = 1 ] && ours "ours-tp2#$k" 90 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 $PAIR
-      ours "ours-dp$NGPU#$k" 90 bench_pretrain.py --impl lightning $A8B --mbs 1 $PAIR
+      ours "ours-dp$NGPU#$k" 90 bench_pretrain.py --impl lightning $A8B --mbs "${OURS8B_MBS:-1}" $PAIR
       hf "hf#$k" 100 $A8B $PAIR $HF8B
     done
     [ "${TP8B:-1}" = 1 ] && ratios ours-tp2; ratios "ours-dp$NGPU" ;;
@@ -232,6 +234,7 @@ case $stage in
     dir=$OUT/${TAG}_profile_$case_
     case $case_ in
       30b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py $OURS30 $P --profile
+           [ "${SIDES:-both}" = ours ] ||
            hf hf 150 $A30 $P ${HF30:-$(best sweep30 "--mbs $(biggest 2) --ac --compile")} --profile-dir "$dir/hf" ;;
       8b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py --impl lightning $A8B --mbs 1 $P --profile
           hf hf 150 $A8B $P $(best sweep8b "--mbs 1 --compile") --profile-dir "$dir/hf" ;;

@@ -34,6 +34,11 @@
 #           sweeplora30 and pairlora30 (ours at micro batch 2), sweep8b and pair8b (ours DP=4), sweeplora8b and
 #           pairlora8b (ours at micro batch 2); the sweeps checkpoint only where a micro batch did not fit
 #           (~1,200 s; ~1,500 s with the 2-GPU queues)
+#   PLAN=s31b (s31's machine time left, ~600 s: ours had run at micro batch 1 in the 8B pairs, HF at its sweep's best)
+#     q01   GPUs 0,1: HF 8B compiled at micro batch 2 without checkpointing (s30's sweep ran it only checkpointed), then
+#           pair8b with ours at micro batch 2 against HF's s30 best (micro batch 4, checkpointed, compiled)
+#     q4    after q01, all 4 GPUs: pair8b with ours at micro batch 2 against HF's s31 best (micro batch 2, compiled),
+#           then profile 30b, ours only (s31's pair30: ours at EP=4 ran 0.99x HF's sweep, against 1.19x on 2 GPUs)
 # `collect` waits up to $WAIT seconds (default 0) for every queue and archives $Q as $OUT/${PLAN}_q.tgz.
 set -uo pipefail
 PLAN=${PLAN:?PLAN: s29 or s30}
@@ -44,7 +49,8 @@ case $PLAN in
   s30) QUEUES="q01 q23" ;;
   s30b) QUEUES="qa qb" ;;
   s31) QUEUES="q01 q23 q4" ;;
-  *) echo "unknown PLAN $PLAN (s29, s30, s30b, s31)"; exit 2 ;;
+  s31b) QUEUES="q01 q4" ;;
+  *) echo "unknown PLAN $PLAN (s29, s30, s30b, s31, s31b)"; exit 2 ;;
 esac
 # the GPU tests of test_gpu_vision_attention.py without pytest's runner (not on the GPU machine)
 GPU_TEST='import sys, tempfile, pathlib; sys.path[:0] = ["tests"]; import test_gpu_vision_attention as t
@@ -109,6 +115,15 @@ run() {  # the stages of queue $1 of $PLAN
       TP8B=0 bash benchmarks/run_issue47_gpu.sh pair8b
       bash benchmarks/run_issue47_gpu.sh sweeplora8b
       OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora8b ;;
+    s31b/q01)
+      export CUDA_VISIBLE_DEVICES=0,1 OUT=$Q ROUNDS=1 TP8B=0 EAGER8B=0 OURS8B_MBS=2
+      SWEEP8B_MBS=2 bash benchmarks/run_issue47_gpu.sh sweep8b
+      HF8B="--mbs 4 --ac --compile" bash benchmarks/run_issue47_gpu.sh pair8b ;;
+    s31b/q4)
+      [ -n "${DRY_RUN:-}" ] || while [ ! -f "$Q/q01.done" ]; do sleep 2; done
+      export NGPU=4 CUDA_VISIBLE_DEVICES=0,1,2,3 OUT=$Q ROUNDS=1 TP8B=0 OURS8B_MBS=2 TAG=s31b4
+      HF8B="--mbs 2 --compile" bash benchmarks/run_issue47_gpu.sh pair8b
+      SIDES=ours bash benchmarks/run_issue47_gpu.sh profile 30b ;;
   esac
   touch "$Q/$1.done"
 }
