@@ -189,7 +189,8 @@ case $stage in
     hf hf 100 $A8B $PAIR $HF8B ;;
   sweeplora8b)
     hf sweep 150 $A8B $LORA $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
-    m=$(unfit sweeplora8b "$(mbs_list 1 2 4)"); [ -n "$m" ] && hf sweep 100 $A8B $LORA $SWEEP --compile --ac --mbs "$m" ;;
+    m=$(unfit sweeplora8b "$(mbs_list 1 2 4)")
+    [ -n "$m" ] && hf sweep 100 $A8B $LORA $SWEEP --compile --ac --mbs "$m" ;;
   pairlora8b)
     HFLORA8B=${HFLORA8B:-$(best sweeplora8b "--mbs $(biggest 2) --compile")}
     for k in $(seq "$ROUNDS"); do

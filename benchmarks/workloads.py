@@ -120,7 +120,8 @@ _PAIRLORA30 = ("OUT=. TAG=s30 bash benchmarks/run_issue47_gpu.sh sweeplora30; "
                "bash benchmarks/run_issue47_gpu.sh pairlora30")
 # session 31's 4-GPU queue (PLAN=s31 q4) as single stages
 _S31 = "NGPU=4 OUT=. TAG=s31"
-_PAIR30_4 = f"{_S31} EAGER30=0 bash benchmarks/run_issue47_gpu.sh sweep30; {_S31} ROUNDS=1 bash benchmarks/run_issue47_gpu.sh pair30"
+_PAIR30_4 = (f"{_S31} EAGER30=0 bash benchmarks/run_issue47_gpu.sh sweep30; "
+             f"{_S31} ROUNDS=1 bash benchmarks/run_issue47_gpu.sh pair30")
 _PAIRLORA30_4 = (f"{_S31} bash benchmarks/run_issue47_gpu.sh sweeplora30; "
                  f'{_S31} ROUNDS=1 OURS_LORA_EXTRA="--mbs 2" bash benchmarks/run_issue47_gpu.sh pairlora30')
 _PAIRLORA8B_4 = (f"{_S31} bash benchmarks/run_issue47_gpu.sh sweeplora8b; "

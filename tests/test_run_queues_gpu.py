@@ -33,8 +33,8 @@ def planned(plan: str, queue: str, tmp_path) -> list[tuple[str, list[str]]]:
     return commands
 
 
-@pytest.mark.parametrize("plan, queues", [("s29", ["q0", "q12", "q3"]), ("s30", ["q01", "q23"]),
-                                            ("s30b", ["qa", "qb"]), ("s31", ["q01", "q23", "q4"]), ("s31b", ["q01", "q4"])])
+@pytest.mark.parametrize("plan, queues", [("s29", ["q0", "q12", "q3"]), ("s30", ["q01", "q23"]), ("s30b", ["qa", "qb"]),
+                                          ("s31", ["q01", "q23", "q4"]), ("s31b", ["q01", "q4"])])
 def test_every_queued_command_parses(plan, queues, tmp_path):
     for queue in queues:
         (tmp_path / queue).mkdir()

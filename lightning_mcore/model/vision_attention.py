@@ -11,9 +11,9 @@ serves that call with torch's own variable-length flash kernel (torch.nn.attenti
 nothing outside torch is needed.
 
 Where that kernel cannot run (CPU, fp32, dropout, a torch without it), the windows are attended one by
-one with SDPA, as transformers does itself: the same values either way. Its backward serves a trained
-encoder: its gradients equal the per-segment ones in fp32 on an H200 (tests/test_gpu_vision_attention.py,
-benchmarks/RESULTS.md session 31).
+one with SDPA, as transformers does itself: the same values either way. A trained encoder takes the
+kernel too: its bf16 gradients match the segments' computed in fp32 on an H200
+(tests/test_gpu_vision_attention.py; benchmarks/RESULTS.md, session 31).
 """
 
 from __future__ import annotations
