@@ -302,7 +302,8 @@ WORKLOADS = (
         name="moe30b-16l-fsdp2-4gpu",
         what="moe30b-16l-fsdp2 on 4 GPUs (2 rows a GPU): ours at EP=4, micro batch 2 without recompute against HF + "
              "FSDP2 at its sweep's fastest, compiled, micro batch 2 without checkpointing (at 1: 14,930), the "
-             "sweep's run: the interleaved pair's HF run had one step of 1.06 s (its others 0.38 s; 16,583, 1.29×). "
+             "sweep's run: in the interleaved pair's HF run, Python's collector paused two ranks 573 and 704 ms, one "
+             "step of 1.06 s among 0.38 s ones (16,583, 1.29×). "
              "Ours' step (profile_30b, s31b4): 9% idle, a quarter in the experts' all-to-alls (96 a step, 1.1 ms each)",
         device=H200, gpus=4, versions=f"{KIT}, transformers 5.17.0", unit="tokens/s/GPU",
         ours=Side("lightning-mcore, EP=4, micro batch 2", _PAIR30_4,
