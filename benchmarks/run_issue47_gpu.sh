@@ -21,7 +21,7 @@
 #   sweep8b     HF + FSDP2, Llama-3-8B, full FT: compiled (SWEEP8B_MBS: other micro batches than 1 2 4); eager at
 #               1 (EAGER8B=0: not)
 #   pair8b      ours TP=2 + SP (TP8B=0: not), ours DP=NGPU (distributed optimizer; micro batch OURS8B_MBS, default
-#               1), HF at the sweep's best (HF8B), interleaved
+#               1, as in opg8b and profile 8b), HF at the sweep's best (HF8B), interleaved
 #   opg8b       pair8b's ours data-parallel without, then with the parameter all-gather overlapped with the next
 #               forward (--overlap-param-gather: 32 ms a step left serial in session 30's profile), each step's loss
 #               listed (the two must agree), then HF at the sweep's best
@@ -145,6 +145,8 @@ ratios() { [ -z "${DRY_RUN:-}" ] && python benchmarks/issue47_summary.py ratios 
 
 A30="--shape qwen3-30b-a3b --layers $L30 --gbs $GBS"
 A8B="--shape llama-8b --gbs $GBS"
+OURS8B="--impl lightning $A8B --mbs ${OURS8B_MBS:-1}"  # ours data-parallel: pair8b's, opg8b's, profile 8b's
+SWEPT=$(mbs_list 1 2 4)  # a sweep's micro batches
 LORA="--lora-rank 16 --lora-alpha 32 --data sft"
 OURS30="--impl lightning $A30 --ep $NGPU --mbs $(biggest 2) --set moe_permute_fusion=true --set moe_router_fusion=true --experts torch
   ${OURS30_EXTRA:-}"
@@ -155,8 +157,8 @@ PAIR="--steps 10 --warmup 4"
 
 case $stage in
   sweep30)
-    hf sweep 200 $A30 $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
-    m=$(unfit sweep30 "$(mbs_list 1 2 4)"); [ -n "$m" ] && hf sweep 200 $A30 $SWEEP --compile --ac --mbs "$m"
+    hf sweep 200 $A30 $SWEEP --compile --mbs "$SWEPT"
+    m=$(unfit sweep30 "$SWEPT"); [ -n "$m" ] && hf sweep 200 $A30 $SWEEP --compile --ac --mbs "$m"
     [ "${EAGER30:-1}" = 1 ] && hf sweep 120 $A30 $SWEEP --ac --mbs "$(biggest 2)" ;;
   sweepours30)
     ours sweep 120 bench_pretrain.py $OURS30 $SWEEP --mbs "$(biggest 4)" --recompute selective
@@ -170,26 +172,27 @@ case $stage in
     done
     ratios "ours-ep$NGPU" ;;
   sweep8b)
-    hf sweep 150 $A8B $SWEEP --compile --mbs "$(mbs_list ${SWEEP8B_MBS:-1 2 4})"
-    m=$(unfit sweep8b "$(mbs_list ${SWEEP8B_MBS:-1 2 4})")
+    swept=$(mbs_list ${SWEEP8B_MBS:-1 2 4})
+    hf sweep 150 $A8B $SWEEP --compile --mbs "$swept"
+    m=$(unfit sweep8b "$swept")
     [ -n "$m" ] && hf sweep 150 $A8B $SWEEP --compile --ac --mbs "$m"
     [ "${EAGER8B:-1}" = 1 ] && hf sweep 90 $A8B $SWEEP --mbs 1 ;;
   pair8b)
     HF8B=${HF8B:-$(best sweep8b "--mbs 1 --compile")}
     for k in $(seq "$ROUNDS"); do
       [ "${TP8B:-1}" = 1 ] && ours "ours-tp2#$k" 90 bench_pretrain.py --impl lightning $A8B --tp 2 --mbs 1 $PAIR
-      ours "ours-dp$NGPU#$k" 90 bench_pretrain.py --impl lightning $A8B --mbs "${OURS8B_MBS:-1}" $PAIR
+      ours "ours-dp$NGPU#$k" 90 bench_pretrain.py $OURS8B $PAIR
       hf "hf#$k" 100 $A8B $PAIR $HF8B
     done
     [ "${TP8B:-1}" = 1 ] && ratios ours-tp2; ratios "ours-dp$NGPU" ;;
   opg8b)
     HF8B=${HF8B:-$(best sweep8b "--mbs 1 --compile")}
-    ours "ours-dp$NGPU" 90 bench_pretrain.py --impl lightning $A8B --mbs 1 $PAIR --losses
-    ours "ours-dp$NGPU-opg" 90 bench_pretrain.py --impl lightning $A8B --mbs 1 $PAIR --losses --overlap-param-gather
+    ours "ours-dp$NGPU" 90 bench_pretrain.py $OURS8B $PAIR --losses
+    ours "ours-dp$NGPU-opg" 90 bench_pretrain.py $OURS8B $PAIR --losses --overlap-param-gather
     hf hf 100 $A8B $PAIR $HF8B ;;
   sweeplora8b)
-    hf sweep 150 $A8B $LORA $SWEEP --compile --mbs "$(mbs_list 1 2 4)"
-    m=$(unfit sweeplora8b "$(mbs_list 1 2 4)")
+    hf sweep 150 $A8B $LORA $SWEEP --compile --mbs "$SWEPT"
+    m=$(unfit sweeplora8b "$SWEPT")
     [ -n "$m" ] && hf sweep 100 $A8B $LORA $SWEEP --compile --ac --mbs "$m" ;;
   pairlora8b)
     HFLORA8B=${HFLORA8B:-$(best sweeplora8b "--mbs $(biggest 2) --compile")}
@@ -199,8 +202,8 @@ case $stage in
     done
     ratios "ours-dp$NGPU" ;;
   sweeplora30)
-    hf sweep 200 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --mbs "$(mbs_list 1 2 4)"
-    m=$(unfit sweeplora30 "$(mbs_list 1 2 4)")
+    hf sweep 200 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --mbs "$SWEPT"
+    m=$(unfit sweeplora30 "$SWEPT")
     [ -n "$m" ] && hf sweep 120 --shape qwen3-30b-a3b --layers "$LORA30" --gbs $GBS $LORA $SWEEP --ac --mbs "$m" ;;
   pairlora30)
     HFLORA30=${HFLORA30:-$(best sweeplora30 "--mbs 1 --ac")}
@@ -237,7 +240,7 @@ case $stage in
       30b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py $OURS30 $P --profile
            [ "${SIDES:-both}" = ours ] ||
            hf hf 150 $A30 $P ${HF30:-$(best sweep30 "--mbs $(biggest 2) --ac --compile")} --profile-dir "$dir/hf" ;;
-      8b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py --impl lightning $A8B --mbs 1 $P --profile
+      8b) run ours "$OURS_ENV BENCH_PROFILE_DIR=$dir/ours" 100 bench_pretrain.py $OURS8B $P --profile
           hf hf 150 $A8B $P $(best sweep8b "--mbs 1 --compile") --profile-dir "$dir/hf" ;;
       lora8b) ours ours 100 bench_lora_sft.py --shape llama-8b $OURS_LORA --profile "$dir/ours"
               hf hf 150 $A8B $LORA $P $(best sweeplora8b "--mbs $(biggest 2) --compile") --profile-dir "$dir/hf" ;;

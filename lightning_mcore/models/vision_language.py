@@ -5,7 +5,8 @@ The decoder is our mcore GPTModel (its table is the text family's, under the che
 prefix); the vision encoder is the transformers module itself, built from config.json's
 vision_config and kept replicated on every tensor-parallel rank of the first pipeline stage (a
 few percent of the model's FLOPs: exact by construction, and nothing to re-implement); it attends
-each batch's windows in one packed call (model/vision_attention.py). Its tensors map one to one. A family module sets the names below.
+each batch's windows in one packed call (model/vision_attention.py). Its tensors map one to one. A
+family module sets the names below.
 """
 
 from __future__ import annotations
